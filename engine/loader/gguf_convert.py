@@ -1,0 +1,104 @@
+"""GGUF file -> cached Hugging Face directory (config.json, model.safetensors, tokenizer files).
+
+The engine loads one checkpoint format, so a GGUF is dequantized once with transformers' own GGUF
+reader (which also renames tensors and undoes llama.cpp's Q/K row permutation) and cached; later runs
+reuse the directory. transformers and gguf are imported inside functions: importing them takes
+seconds, which commands that never convert should not pay.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engine.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+
+def converted_root() -> Path:
+    base = os.environ.get("SPEC_CACHE_DIR") or Path.home() / ".cache" / "spec"
+    return Path(base).expanduser() / "converted"
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Return the cached HF directory for `gguf_path`, converting it the first time."""
+    path = Path(gguf_path).expanduser().resolve()
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {path} does not exist. Pass the path of an existing .gguf file.")
+    stat = path.stat()
+    # Size and mtime in the name: a re-fetched or edited file gets a fresh conversion.
+    out = converted_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if out.is_dir():  # only ever created by the atomic rename below, so it is complete
+        return out
+    dtype = _stored_dtype(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        logger.info("Converting %s to %s (once; later runs reuse it)", path, out)
+        _convert_into(path, dtype, tmp)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not out.is_dir():
+                raise
+            # Another process finished the same conversion first; its result is as good as ours.
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _stored_dtype(path: Path) -> torch.dtype:
+    """float32 for quantized files (what dequantizing yields); a half type for plain f16/bf16 files.
+
+    Reading the whole header and tensor table also rejects truncated or corrupt files up front.
+    """
+    from gguf import GGMLQuantizationType as Q, GGUFReader
+
+    try:
+        types = {t.tensor_type for t in GGUFReader(path).tensors}
+    except Exception as e:  # the reader raises ValueError, IndexError, ... on malformed bytes
+        raise ModelLoadError(
+            f"{path} is not a readable GGUF file ({e}); it may be truncated or corrupt. "
+            f"Fetch it again, or pass another .gguf file or a Hugging Face directory.") from e
+    if not types:
+        raise ModelLoadError(f"{path} holds no tensors. Pass a GGUF file with model weights.")
+    if types <= {Q.F32, Q.F16, Q.BF16} and types != {Q.F32}:
+        return torch.bfloat16 if Q.BF16 in types else torch.float16
+    return torch.float32
+
+
+def _convert_into(path: Path, dtype: torch.dtype, out: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = str(path.parent), path.name
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        # A weightless model on the meta device: transformers maps GGUF tensor names onto its names.
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        tensors = load_gguf_checkpoint(
+            str(path), return_tensors=True, model_to_load=skeleton, torch_dtype=dtype)["tensors"]
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as e:  # unsupported architecture or tokenizer, odd metadata: all about the file
+        raise ModelLoadError(
+            f"transformers cannot convert {path}: {e}. Pass a Hugging Face directory of the model instead.") from e
+    # named_parameters() lists tied weights once, so a tied lm_head is not reported missing.
+    missing = sorted(set(dict(skeleton.named_parameters())) - set(tensors))
+    if missing:
+        raise ModelLoadError(
+            f"{path} lacks tensors the {config.model_type} model needs: {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}. Pass a Hugging Face directory of the model instead.")
+
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.dtype = dtype  # the stored dtype, which the engine's dtype=auto reads
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)  # includes the GGUF's chat template, if it has one

@@ -1,0 +1,88 @@
+"""Read a resolved model directory: config, weights (one tensor at a time) and tokenizer.
+
+transformers is imported inside functions: importing it takes seconds, which commands that never
+load a model should not pay.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from engine.errors import ModelLoadError
+from engine.loader.fetch import KNOWN_MODELS
+from engine.loader.source import resolve_model_path, weight_files
+
+
+def load_config(model_dir: Path, trust_remote_code: bool = False):
+    """The model's transformers config (a PretrainedConfig subclass)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    except Exception as e:  # OSError, ValueError (unknown model_type), JSON errors ...
+        raise ModelLoadError(
+            f"Cannot load {Path(model_dir) / 'config.json'}: {e}. Pass a model directory whose config.json "
+            f"names a model type transformers knows (or add --trust-remote-code for custom code).") from e
+
+
+def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor of the checkpoint, named and typed as stored.
+
+    One tensor at a time (safetensors are memory-mapped), so the caller can cast and place each
+    without holding a second copy of the model.
+    """
+    for file in weight_files(Path(model_dir)):
+        if file.suffix == ".safetensors":
+            yield from _iter_safetensors(file)
+        else:
+            with _reading(file):
+                # mmap avoids reading the file twice; only zip-format checkpoints support it.
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
+            yield from state.items()
+
+
+def _iter_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    with _reading(file):
+        handle = safe_open(str(file), framework="pt")
+        names = list(handle.keys())
+    for name in names:
+        with _reading(file):
+            tensor = handle.get_tensor(name)
+        yield name, tensor
+
+
+@contextmanager
+def _reading(file: Path):
+    """Report a corrupt weight file as a ModelLoadError naming it, not as a library exception."""
+    try:
+        yield
+    except Exception as e:
+        raise ModelLoadError(f"Cannot read weights from {file} ({e}); it may be truncated or corrupt. "
+                             f"Download or convert the model again.") from e
+
+
+def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
+    """The tokenizer (PreTrainedTokenizerBase) of a model directory, a .gguf file, a known name or a hub id."""
+    from transformers import AutoTokenizer
+
+    source, kwargs = str(path), {}
+    local = Path(path).expanduser()
+    if source in KNOWN_MODELS:  # its converted directory holds the tokenizer files
+        source = str(resolve_model_path(source))
+    elif local.is_file() and local.suffix == ".gguf":
+        source, kwargs = str(local.parent), {"gguf_file": local.name}
+    elif local.exists():
+        source = str(local)
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
+    except Exception as e:  # OSError for missing files, ValueError for unknown tokenizer classes ...
+        raise ModelLoadError(
+            f"No tokenizer could be loaded from {path} ({e}). Pass a tokenizer path: a directory with "
+            f"tokenizer.json or tokenizer_config.json, a .gguf file, or a hub id.") from e

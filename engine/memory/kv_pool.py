@@ -1,0 +1,74 @@
+"""Token-level KV cache: one slot per token per layer, handed out by a free-list allocator.
+
+Slot 0 is never handed out: it stays zero and pads gathers, so a padded row attends to finite values
+that its mask then hides. Freeing a request's rejected or finished tokens is returning their slot
+numbers to the free list; no KV is ever copied.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TokenSlotAllocator:
+    """Free list of KV slot numbers 1..size."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._free = torch.arange(1, size + 1, dtype=torch.int64)
+
+    def available(self) -> int:
+        return int(self._free.numel())
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """`n` free slots as an int64 tensor, or None when fewer are free (nothing is taken then)."""
+        if n > self._free.numel():
+            return None
+        out, self._free = self._free[:n], self._free[n:]
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self._free = torch.cat([self._free, slots.to(torch.int64).flatten()])
+
+    def reset(self) -> None:
+        self._free = torch.arange(1, self.size + 1, dtype=torch.int64)
+
+
+class KVPool:
+    """K and V buffers for every layer, indexed by slot."""
+
+    def __init__(self, num_layers: int, size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.size = size
+        shape = (size + 1, num_kv_heads, head_dim)
+        # torch.empty: on CPU the pages are committed only when written, so a large pool costs what is used.
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for buf in self.k + self.v:
+            buf[0].zero_()
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer][slots] = k
+        self.v[layer][slots] = v
+
+
+class ReqToTokenPool:
+    """Per running request, the KV slot of each of its token positions: table[row, position] = slot."""
+
+    def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str = "cpu"):
+        self.table = torch.zeros((max_requests, max_context_len), dtype=torch.int64, device=device)
+        self._free_rows = list(range(max_requests))
+
+    def available(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)

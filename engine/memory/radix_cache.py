@@ -1,0 +1,157 @@
+"""Token-level radix tree from token-id sequences to the KV slots that hold them.
+
+Requests whose prompts share a prefix share that prefix's KV: a new request matches its prompt
+against the tree, locks the matched node and computes only the rest. Each edge holds a run of tokens
+and one slot per token; the tree owns the slots of its nodes until it evicts them back to the
+allocator. A lock on a node pins the node and all its ancestors, since a running request needs its
+whole prefix. Unlocked leaves are evicted least recently used first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from engine.memory.kv_pool import TokenSlotAllocator
+
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
+
+
+class TreeNode:
+    __slots__ = ("children", "key", "value", "parent", "lock_ref", "last_access")
+
+    def __init__(self, key: tuple[int, ...] = (), value: torch.Tensor = _NO_SLOTS,
+                 parent: TreeNode | None = None, last_access: int = 0):
+        self.children: dict[int, TreeNode] = {}  # keyed by the child's first token id
+        self.key = key
+        self.value = value  # int64 slots, one per token of key
+        self.parent = parent
+        self.lock_ref = 0  # locks held on this node or any descendant
+        self.last_access = last_access
+
+    def __lt__(self, other: TreeNode) -> bool:  # heap order for eviction: oldest first
+        return self.last_access < other.last_access
+
+
+def _common_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+class RadixCache:
+    def __init__(self, allocator: TokenSlotAllocator):
+        self.allocator = allocator
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every node. The slots are not freed: reset the allocator alongside."""
+        self._clock = itertools.count(1)  # a counter, not time: deterministic, and later calls always rank newer
+        self.root = TreeNode()
+        self._evictable = 0
+        self._protected = 0
+
+    def match_prefix(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, TreeNode]:
+        """Longest cached prefix of token_ids: (its slots, possibly empty; the node ending exactly there)."""
+        node, _, values = self._walk(tuple(map(int, token_ids)))
+        return (torch.cat(values) if values else _NO_SLOTS.clone()), node
+
+    def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
+        """Insert token_ids with their slots; return how many leading tokens were already cached.
+
+        The tree keeps its own slots for those leading tokens, so slots[:returned] stay the caller's
+        (to free unless they are the tree's own, matched earlier); the tree owns slots[returned:].
+        """
+        key = tuple(map(int, token_ids))
+        assert len(key) == len(slots), "one slot per token"
+        node, i, _ = self._walk(key)
+        if i < len(key):
+            # Copy: the caller's tensor is often a view of a request's row, which gets reused.
+            value = slots[i:].to("cpu", torch.int64, copy=True)
+            node.children[key[i]] = TreeNode(key[i:], value, node, next(self._clock))
+            self._evictable += len(key) - i
+        return i
+
+    def _walk(self, key: tuple[int, ...]) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Follow key down the tree, splitting where it ends or diverges inside an edge, and mark the
+        path as used now. Returns the deepest node reached, the tokens matched and their slots."""
+        now = next(self._clock)
+        node, i, values = self.root, 0, []
+        while i < len(key) and (child := node.children.get(key[i])) is not None:
+            n = _common_len(child.key, key[i:i + len(child.key)])
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            values.append(child.value)
+            node, i = child, i + n
+        return node, i, values
+
+    def _split(self, node: TreeNode, n: int) -> TreeNode:
+        """Cut node's edge after n tokens; return the new upper node. `node` keeps being the lower part,
+        so a caller holding it (and its lock) still holds the same full prefix."""
+        upper = TreeNode(node.key[:n], node.value[:n], node.parent, node.last_access)
+        upper.lock_ref = node.lock_ref  # the same locks pass through both halves; sizes don't change
+        upper.children[node.key[n]] = node
+        node.parent.children[node.key[0]] = upper
+        node.key, node.value, node.parent = node.key[n:], node.value[n:], upper
+        return upper
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._protected += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            assert node.lock_ref > 0, "dec_lock_ref without a matching inc_lock_ref"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected -= len(node.key)
+                self._evictable += len(node.key)
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least num_tokens slots if that many are evictable, LRU leaves first; return tokens freed."""
+        if num_tokens <= 0:
+            return 0
+        # Evictions are rare next to matches, so the leaves are gathered here rather than tracked.
+        leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(leaves)
+        freed: list[torch.Tensor] = []
+        num_freed = 0
+        while num_freed < num_tokens and leaves:
+            node = heapq.heappop(leaves)
+            parent = node.parent
+            del parent.children[node.key[0]]
+            freed.append(node.value)
+            num_freed += len(node.key)
+            self._evictable -= len(node.key)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, parent)
+        if freed:
+            self.allocator.free(torch.cat(freed))
+        return num_freed
+
+    def _nodes(self):
+        """Every node but the root."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            yield node
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def total_size(self) -> int:
+        return self._evictable + self._protected

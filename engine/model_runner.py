@@ -1,0 +1,152 @@
+"""ModelRunner: loads a model, owns its KV memory, and turns scheduled work into one forward pass."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from engine.attention import create_backend
+from engine.config import ServerArgs
+from engine.errors import ConfigError, ModelLoadError
+from engine.forward_batch import ForwardBatch
+from engine.memory.kv_pool import KVPool, ReqToTokenPool, TokenSlotAllocator
+from engine.models import model_class
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA device is available; use --device cpu.")
+    return name
+
+
+def resolve_dtype(name: str, config, device: str) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    ckpt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    ckpt = _DTYPES.get(str(ckpt).replace("torch.", ""), torch.float32) if ckpt is not None else torch.float32
+    if device == "cpu":
+        # fp16 matmuls are slow on CPU; bf16 has AMX/AVX-512 kernels and halves the memory read per token.
+        return torch.float32 if ckpt == torch.float32 else torch.bfloat16
+    return ckpt
+
+
+@dataclass
+class ForwardItem:
+    """One request's part of a forward: its new tokens and where their KV goes."""
+    row: int
+    prefix_len: int
+    token_ids: Sequence[int]
+    positions: Optional[Sequence[int]] = None   # default: prefix_len, prefix_len + 1, ...
+    mask: Optional[torch.Tensor] = None         # tree mask among the new tokens; None = causal
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor                 # [R, V] fp32 for the requested rows
+    hidden: torch.Tensor                 # [T, H] final normed hidden states of all new tokens
+    captured: dict[int, torch.Tensor]    # requested hidden states by index
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs, model_dir, config, *, kv_pool_tokens: Optional[int] = None,
+                 max_requests: Optional[int] = None):
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.config = config
+        self.dtype = resolve_dtype(args.dtype, config, self.device)
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        self.context_len = args.context_length
+        cls = model_class(config, str(model_dir))
+        with torch.device(self.device):
+            model = cls(config, max_positions=self.context_len + 64)
+        model.to(self.dtype)
+        # The rotary tables stay fp32 so positions far out keep their precision.
+        model.model.rotary.float()
+        from engine.loader import iter_weights
+
+        try:
+            model.load_weights(iter_weights(model_dir))
+        except KeyError as exc:
+            raise ModelLoadError(f"{model_dir}: weights do not match the {config.architectures[0]} config: {exc.args[0]}. "
+                                 "Pass a complete checkpoint.") from None
+        self.model = model.eval()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+        attn = model.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        tokens = kv_pool_tokens or self._pool_tokens()
+        self.max_requests = max_requests or args.max_running_requests or (256 if self.device == "cuda" else 32)
+        self.kv_pool = KVPool(model.num_layers, tokens, self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        self.allocator = TokenSlotAllocator(tokens)
+        # Spare rows: retracted and chunked requests can hold one while the batch is full.
+        self.req_to_token = ReqToTokenPool(self.max_requests + 8, self.context_len + 64, self.device)
+        self.backend = create_backend(args.attention_backend, self.device, self.kv_pool, self.req_to_token)
+        log.info("model %s: %s, %.0f MiB of weights; KV pool %d tokens (%.0f MiB)", model_dir, self.dtype,
+                 self.weight_bytes / 2**20, tokens, tokens * self.kv_bytes_per_token / 2**20)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return KVPool.bytes_per_token(self.model.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    def _pool_tokens(self) -> int:
+        args = self.args
+        if args.max_total_tokens:
+            return args.max_total_tokens
+        if self.device == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            fraction = args.mem_fraction_static or 0.88
+        else:
+            import psutil
+
+            total = psutil.virtual_memory().total
+            fraction = args.mem_fraction_static or 0.3
+        budget = int(total * fraction) - self.weight_bytes
+        if budget < 64 * self.kv_bytes_per_token:
+            raise ConfigError(
+                f"The weights take {self.weight_bytes / 2**30:.2f} GiB, leaving no KV cache within "
+                f"--mem-fraction-static {fraction} of {total / 2**30:.1f} GiB. Raise --mem-fraction-static "
+                "or pass --max-total-tokens.")
+        return budget // self.kv_bytes_per_token
+
+    # ------------------------------------------------------------------------------------------
+    def forward(self, items: Sequence[ForwardItem], out_slots: torch.Tensor, logit_rows: torch.Tensor,
+                capture_hidden: tuple[int, ...] = ()) -> ForwardOutput:
+        """Run the model over every item's new tokens (their KV slots already allocated in
+        `out_slots`, in order) and return logits for the flat token indices `logit_rows`."""
+        ids, pos = [], []
+        for it in items:
+            ids.extend(it.token_ids)
+            pos.extend(it.positions if it.positions is not None else
+                       range(it.prefix_len, it.prefix_len + len(it.token_ids)))
+        table = self.req_to_token.table
+        offset = 0
+        for it in items:
+            n = len(it.token_ids)
+            table[it.row, it.prefix_len:it.prefix_len + n] = out_slots[offset:offset + n]
+            offset += n
+        masks = [it.mask for it in items]
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(pos, dtype=torch.long, device=self.device),
+            out_slots=out_slots.to(self.device),
+            req_rows=torch.tensor([it.row for it in items], dtype=torch.long),
+            prefix_lens=[it.prefix_len for it in items],
+            extend_lens=[len(it.token_ids) for it in items],
+            custom_masks=masks if any(m is not None for m in masks) else None,
+            capture_hidden=capture_hidden,
+        )
+        self.backend.prepare(batch)
+        with torch.inference_mode():
+            hidden, captured = self.model(batch.input_ids, batch.positions, batch, self.backend)
+            logits = self.model.compute_logits(hidden[logit_rows.to(self.device)])
+        return ForwardOutput(logits.cpu(), hidden, captured)

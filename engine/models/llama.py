@@ -1,0 +1,210 @@
+"""Llama-family decoder (Llama 2/3/3.1, SmolLM2, Mistral, Qwen2/2.5, Qwen3) over a paged KV cache.
+
+The model sees token ids, positions and a ForwardBatch; attention goes through the backend, so the
+same code runs prefill, decode and tree verification. Parameter names follow the Hugging Face
+checkpoints, except that q/k/v and gate/up projections are fused (one matmul each) at load time.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend
+from engine.forward_batch import ForwardBatch
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same order of operations as transformers, so fp32 results match bit for bit.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for every position, computed once (rope scaling via transformers' init functions)."""
+
+    def __init__(self, config, head_dim: int, max_positions: int):
+        super().__init__()
+        params = getattr(config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :].float()
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        # Qwen2 has q/k/v biases only; Llama's attention_bias puts one on o_proj too.
+        bias = bool(getattr(config, "attention_bias", False))
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, q + 2 * kv, bias=bias or config.model_type == "qwen2")
+        self.o_proj = nn.Linear(q, config.hidden_size, bias=bias)
+        self.split = (q, kv, kv)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, positions, rotary: Rotary, batch: ForwardBatch, backend: AttentionBackend):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q, k, positions)
+        out = backend.forward(q, k, v, self.layer, batch, self.scale)
+        return self.o_proj(out.reshape(T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, positions, rotary, batch, backend):
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, batch, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary = Rotary(config, head_dim, max_positions)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Returns (final normed hidden states [T, H], captured hidden states {index: [T, H]})."""
+
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                backend: AttentionBackend, input_embeds: torch.Tensor | None = None):
+        h = self.embed(input_ids) if input_embeds is None else input_embeds
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in batch.capture_hidden:
+                captured[i] = h
+            h = layer(h, positions, self.model.rotary, batch, backend)
+        if len(self.model.layers) in batch.capture_hidden:
+            captured[len(self.model.layers)] = h
+        return self.model.norm(h), captured
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.lm_head_weight()).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up; every parameter must be given."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in _fused(weights, pending):
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if name not in params:
+                if "rotary_emb" in name:
+                    continue
+                raise KeyError(f"unexpected weight {name!r}")
+            with torch.no_grad():
+                params[name].copy_(tensor.to(params[name].dtype))
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+
+_FUSED = {  # part name -> (fused name, order of the parts)
+    "q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    "k_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    "v_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
+    "up_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
+}
+
+
+def _fused(weights: Iterable[tuple[str, torch.Tensor]], pending: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Concatenate q/k/v (and gate/up) weights and biases as soon as all parts of one have arrived."""
+    for name, tensor in weights:
+        parts = name.split(".")
+        part = parts[-2] if len(parts) >= 2 else ""
+        if part not in _FUSED:
+            yield name, tensor
+            continue
+        fused, order = _FUSED[part]
+        key = ".".join(parts[:-2] + [fused, parts[-1]])
+        group = pending.setdefault(key, {})
+        group[part] = tensor
+        if len(group) == len(order):
+            yield key, torch.cat([group[p] for p in order], dim=0)
+            del pending[key]

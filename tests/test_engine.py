@@ -1,0 +1,195 @@
+"""The engine against ground truth: transformers' logits and greedy decoding, and itself under batching,
+radix sharing, chunked prefill and preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine, ModelLoadError, RequestError
+from engine.model_runner import ForwardItem
+from tests.tiny import make_model, reference_greedy
+
+GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("llama"), "llama")
+
+
+def engine(model_dir, **kw) -> Engine:
+    return Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=kw.pop("max_total_tokens", 4096), **kw)
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_logits_match_transformers(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_model(tmp_path, arch, tie=arch == "qwen2")
+    eng = engine(model_dir)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    a, b = prompts(2, seed=1)
+    runner = eng.runner
+    rows = [runner.req_to_token.alloc(), runner.req_to_token.alloc()]
+    slots = runner.allocator.alloc(len(a) + len(b))
+    out = runner.forward([ForwardItem(rows[0], 0, a), ForwardItem(rows[1], 0, b)], slots,
+                         torch.arange(len(a) + len(b)), capture_hidden=(1,))
+    with torch.no_grad():
+        ref_a = ref(torch.tensor([a]), output_hidden_states=True)
+        ref_b = ref(torch.tensor([b])).logits[0]
+    torch.testing.assert_close(out.logits[:len(a)], ref_a.logits[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.logits[len(a):], ref_b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.captured[1][:len(a)], ref_a.hidden_states[1][0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_matches_transformers(tmp_path, arch):
+    model_dir = make_model(tmp_path, arch)
+    eng = engine(model_dir)
+    for p in prompts(3, seed=2):
+        got = eng.generate(input_ids=p, sampling_params=GREEDY)["output_ids"]
+        assert got == reference_greedy(model_dir, p, GREEDY["max_new_tokens"])
+
+
+def test_batch_equals_one_by_one(llama_dir):
+    ps = prompts(6, seed=3)
+    eng = engine(llama_dir)
+    batched = [o["output_ids"] for o in eng.generate(input_ids=ps, sampling_params=GREEDY)]
+    single = [engine(llama_dir, disable_radix_cache=True).generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in ps]
+    assert batched == single
+
+
+def test_radix_hit_gives_same_output(llama_dir):
+    base = prompts(1, seed=4, lo=30, hi=31)[0]
+    follow = base + [7, 8, 9]
+    eng = engine(llama_dir)
+    first = eng.generate(input_ids=base, sampling_params=GREEDY)
+    second = eng.generate(input_ids=follow, sampling_params=GREEDY)
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert second["meta_info"]["cached_tokens"] >= len(base)
+    fresh = engine(llama_dir, disable_radix_cache=True).generate(input_ids=follow, sampling_params=GREEDY)
+    assert second["output_ids"] == fresh["output_ids"]
+
+
+def test_chunked_prefill_same_output(llama_dir):
+    p = prompts(1, seed=5, lo=60, hi=61)[0]
+    plain = engine(llama_dir, chunked_prefill_size=0).generate(input_ids=p, sampling_params=GREEDY)
+    chunked_eng = engine(llama_dir, chunked_prefill_size=7)
+    chunked = chunked_eng.generate(input_ids=p, sampling_params=GREEDY)
+    assert chunked["output_ids"] == plain["output_ids"]
+    assert chunked_eng.scheduler.stats["prefill_tokens"] == len(p)
+
+
+@pytest.mark.parametrize("radix", [True, False])
+def test_preemption_under_tiny_kv_budget(llama_dir, radix):
+    ps = prompts(6, seed=6, lo=10, hi=20)
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    ref = [o["output_ids"] for o in engine(llama_dir).generate(input_ids=ps, sampling_params=params)]
+    small = engine(llama_dir, max_total_tokens=120, disable_radix_cache=not radix)
+    got = small.generate(input_ids=ps, sampling_params=params)
+    assert [o["output_ids"] for o in got] == ref
+    assert small.scheduler.stats["retractions"] > 0
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in got)
+    # Every slot is back: in the free list or (radix on) in the prefix cache, none leaked.
+    radix_tokens = small.scheduler.radix.total_size() if radix else 0
+    assert small.runner.allocator.available() + radix_tokens == 120
+
+
+def test_request_too_large_for_pool_is_aborted_not_hung(llama_dir):
+    eng = engine(llama_dir, max_total_tokens=30)
+    out = eng.generate(input_ids=prompts(1, seed=7, lo=40, hi=41)[0], sampling_params=GREEDY)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "--max-total-tokens" in out["meta_info"]["finish_reason"]["message"]
+
+
+def test_seeded_sampling_reproducible(llama_dir):
+    p = prompts(1, seed=8)[0]
+    params = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 24, "seed": 1234, "ignore_eos": True}
+    a = engine(llama_dir).generate(input_ids=p, sampling_params=params)["output_ids"]
+    eng = engine(llama_dir)
+    # Same seed in a batch with other requests, and under preemption: still the same tokens.
+    batch = eng.generate(input_ids=[p] + prompts(3, seed=9), sampling_params=[params] + [GREEDY] * 3)
+    assert batch[0]["output_ids"] == a
+    other = engine(llama_dir).generate(input_ids=p, sampling_params={**params, "seed": 99})["output_ids"]
+    assert other != a
+
+
+def test_stop_conditions(llama_dir):
+    eng = engine(llama_dir)
+    p = prompts(1, seed=10)[0]
+    full = eng.generate(input_ids=p, sampling_params=GREEDY)
+    ids = full["output_ids"]
+    # A stop token id fires at its first occurrence, the token kept in output_ids.
+    stop_tok = ids[5]
+    out = eng.generate(input_ids=p, sampling_params={**GREEDY, "stop_token_ids": [stop_tok]})
+    assert out["output_ids"] == ids[:ids.index(stop_tok) + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    # A stop string is cut from the text; nothing after it is emitted.
+    text = full["text"]
+    needle = text[len(text) // 2: len(text) // 2 + 3]
+    if needle.strip():
+        out = eng.generate(input_ids=p, sampling_params={**GREEDY, "stop": [needle]})
+        assert out["text"] == text[:text.index(needle)]
+        assert out["meta_info"]["finish_reason"]["matched"] == needle
+    out = eng.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 5})
+    assert out["output_ids"] == ids[:5] and out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_eos_stops_unless_ignored(llama_dir):
+    eng = engine(llama_dir)
+    p = prompts(1, seed=11)[0]
+    ids = eng.generate(input_ids=p, sampling_params=GREEDY)["output_ids"]
+    eng.scheduler.eos_ids = {ids[3]}          # pretend the 4th token is EOS
+    out = eng.generate(input_ids=p, sampling_params={**GREEDY, "ignore_eos": False})
+    assert out["output_ids"] == ids[:ids.index(ids[3]) + 1]
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_streaming_yields_growing_text_and_matches(llama_dir):
+    eng = engine(llama_dir)
+    p = "The quick brown fox"
+    final = eng.generate(p, GREEDY)
+    chunks = list(eng.generate(p, GREEDY, stream=True))
+    assert len(chunks) > 1
+    assert all(b["text"].startswith(a["text"]) for a, b in zip(chunks, chunks[1:]))
+    assert chunks[-1]["text"] == final["text"] and chunks[-1]["output_ids"] == final["output_ids"]
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"max_new_tokens": -1}, "max_new_tokens"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_k": -3}, "top_k"),
+    ({"bogus": 1}, "Unknown sampling parameter"),
+])
+def test_bad_sampling_params(llama_dir, params, message):
+    eng = engine(llama_dir)
+    with pytest.raises(RequestError, match=message):
+        eng.generate("hello", params)
+
+
+def test_prompt_longer_than_context(llama_dir):
+    eng = engine(llama_dir, context_length=32)
+    with pytest.raises(RequestError, match="context length is 32"):
+        eng.generate(input_ids=list(range(3, 40)), sampling_params=GREEDY)
+    with pytest.raises(RequestError, match="token ids"):
+        eng.generate(input_ids=[5, 100000], sampling_params=GREEDY)
+
+
+def test_missing_model_and_unsupported_arch(tmp_path):
+    with pytest.raises(ModelLoadError, match="does-not-exist"):
+        Engine(model_path=str(tmp_path / "does-not-exist"))
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(tmp_path / "gpt2")
+    from tests.tiny import make_tokenizer
+
+    make_tokenizer(tmp_path / "gpt2")
+    with pytest.raises(ModelLoadError, match="not supported"):
+        Engine(model_path=str(tmp_path / "gpt2"))

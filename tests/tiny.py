@@ -1,0 +1,73 @@
+"""Tiny random models and a tiny byte-level tokenizer, built from configs, for fast CPU tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts tokens and verifies them in one pass.",
+    "def add(a, b):\n    return a + b\n",
+    "Caf\u00e9 na\u00efve \u00fcber \u65e5\u672c\u8a9e \U0001F600 emoji and unicode text.",
+    "one two three four five six seven eight nine ten",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_tokenizer(path: Path):
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(CORPUS * 20, vocab_size=320, min_frequency=2,
+                            special_tokens=["<s>", "</s>", "<pad>"], show_progress=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>")
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return tok
+
+
+def make_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden: int = 64, vocab: int = 320,
+               seed: int = 0, max_pos: int = 512, tie: bool = False, dtype=torch.float32, **extra):
+    """Save a random model of `arch` (llama, qwen2, qwen3, mistral) with the tiny tokenizer; return its dir."""
+    import transformers as tf
+
+    cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+           "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}
+    config_cls, model_cls = cls[arch]
+    config = config_cls(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                        max_position_embeddings=max_pos, tie_word_embeddings=tie,
+                        bos_token_id=0, eos_token_id=1, pad_token_id=2, **extra)
+    if arch == "qwen3":
+        config.head_dim = hidden // 4
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype)
+    # Larger weights than the default init give peaked, varied distributions: greedy paths that do not
+    # all collapse into one repeated token, and argmax far from ties.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
+    path = Path(path)
+    model.save_pretrained(path)
+    make_tokenizer(path)
+    return path
+
+
+def reference_greedy(model_dir: Path, prompt_ids: list[int], n: int) -> list[int]:
+    """Greedy decoding by full recomputation with transformers' own modeling: the ground truth."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt_ids):]
