@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import ServerArgs
-from engine.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     from engine.loader import load_config, load_tokenizer, resolve_model_path
     from engine.model_runner import ModelRunner
     from engine.scheduler import Scheduler
-    from engine.worker import PlainWorker
+    from engine.speculative.factory import create_worker
 
     model_dir = resolve_model_path(args.model_path, args.revision)
     config = load_config(model_dir)
@@ -55,10 +54,8 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
         log.warning("--context-length %d exceeds the model's max_position_embeddings %d; outputs past it "
                     "may degrade", args.context_length, max_pos)
     tokenizer = load_tokenizer(args.tokenizer_path or model_dir)
-    if args.speculative_algorithm:
-        raise ModelLoadError("speculative decoding is not built yet")
     runner = ModelRunner(args, model_dir, config)
     eos = eos_token_ids(model_dir, config, tokenizer)
-    worker = PlainWorker(runner, eos)
+    worker = create_worker(args, runner, eos)
     scheduler = Scheduler(args, runner, tokenizer, worker, eos)
     return EngineParts(model_dir, config, tokenizer, runner, worker, scheduler, eos)

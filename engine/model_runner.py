@@ -89,7 +89,8 @@ class ModelRunner:
         self.kv_pool = KVPool(model.num_layers, tokens, self.num_kv_heads, self.head_dim, self.dtype, self.device)
         self.allocator = TokenSlotAllocator(tokens)
         # Spare rows: retracted and chunked requests can hold one while the batch is full.
-        self.req_to_token = ReqToTokenPool(self.max_requests + 8, self.context_len + 64, self.device)
+        self.req_to_token = ReqToTokenPool(self.max_requests + 8, self.context_len + 64 + (args.speculative_num_draft_tokens or 0),
+                                           self.device)
         self.backend = create_backend(args.attention_backend, self.device, self.kv_pool, self.req_to_token)
         log.info("model %s: %s, %.0f MiB of weights; KV pool %d tokens (%.0f MiB)", model_dir, self.dtype,
                  self.weight_bytes / 2**20, tokens, tokens * self.kv_bytes_per_token / 2**20)

@@ -204,13 +204,11 @@ class Scheduler:
         self.stats["prefill_tokens"] += total
         for req, n in plan:
             req.kv_len += n
-        if not done:
-            return []
-        tokens = self.worker.sample_next(done, out.logits)
-        self.worker.after_prefill(done, out, torch.tensor(last_rows, dtype=torch.long))
-        for req, tok in zip(done, tokens):
-            if not self._append(req, [tok]):
-                self.running.append(req)
+        if done:
+            for req, tok in zip(done, self.worker.sample_next(done, out.logits)):
+                if not self._append(req, [tok]):
+                    self.running.append(req)
+        self.worker.after_prefill([(r, n) for r, n in plan if not r.finished], out)
         return done
 
     # ------------------------------------------------------------------ decode

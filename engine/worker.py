@@ -29,8 +29,10 @@ class PlainWorker:
         self.runner = runner
         self.eos_ids = list(eos_ids)
 
-    def after_prefill(self, reqs: Sequence[Request], out: ForwardOutput, last_rows: torch.Tensor) -> None:
-        """Called once a prefill forward finished (speculative workers prime their draft state here)."""
+    def after_prefill(self, plan: Sequence[tuple[Request, int]], out: ForwardOutput) -> None:
+        """After each prefill forward (every chunk) of still-running requests, with how many tokens each
+        fed, in order, and the sampled first token already appended where a prefill completed.
+        Speculative workers keep what their drafts need here (EAGLE: the target's hidden states)."""
 
     def release(self, req: Request) -> None:
         """The request left the running batch (finished or retracted)."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft trees, lossless verification, and one worker per algorithm."""
