@@ -13,11 +13,18 @@ ARCHITECTURES = {
 }
 
 
+# Configs converted from GGUF may name no architecture; their model_type says as much.
+MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
+               "qwen3": LlamaForCausalLM}
+
+
 def model_class(config, source: str):
     archs = getattr(config, "architectures", None) or []
     for arch in archs:
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch]
+    if not archs and config.model_type in MODEL_TYPES:
+        return MODEL_TYPES[config.model_type]
     raise ModelLoadError(
         f"{source}: architecture {', '.join(archs) or config.model_type!r} is not supported. "
         f"Supported: {', '.join(ARCHITECTURES)}. Pass a model of one of these families "
