@@ -24,9 +24,9 @@ from engine.request import FinishReason, Request, Status
 
 log = logging.getLogger(__name__)
 
-# Decode tokens kept in reserve per running request when admitting new ones, so that fresh admissions
-# do not force retractions on the very next steps.
-_RESERVE_STEPS = 8
+# Tokens of growth kept in reserve per running request when admitting new ones, so that fresh
+# admissions do not force retractions on the very next steps.
+_RESERVE_TOKENS = 8
 
 
 class Scheduler:
@@ -104,8 +104,8 @@ class Scheduler:
         return slots
 
     def _reserve(self, reqs: Sequence[Request]) -> int:
-        per_step = self.worker.slots_per_request
-        return sum(min(r.remaining_tokens(), _RESERVE_STEPS) * per_step for r in reqs)
+        # One step's transient slots (a draft tree) plus a few tokens of growth per request.
+        return sum(self.worker.slots_per_request + min(r.remaining_tokens(), _RESERVE_TOKENS) for r in reqs)
 
     def _release_kv(self, req: Request) -> None:
         """Give back a request's KV: into the radix cache when on (what is cached there may be reused

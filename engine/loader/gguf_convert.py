@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -36,12 +37,12 @@ def convert_gguf(gguf_path: Path) -> Path:
     out = converted_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     if out.is_dir():  # only ever created by the atomic rename below, so it is complete
         return out
-    dtype = _stored_dtype(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
         logger.info("Converting %s to %s (once; later runs reuse it)", path, out)
-        _convert_into(path, dtype, tmp)
+        with _parse_once():
+            _convert_into(path, _stored_dtype(path), tmp)
         try:
             os.rename(tmp, out)
         except OSError:
@@ -53,15 +54,41 @@ def convert_gguf(gguf_path: Path) -> Path:
     return out
 
 
+@contextmanager
+def _parse_once():
+    """Make every `gguf.GGUFReader(path)` in this block share one parsed reader per file.
+
+    transformers parses the whole header again for the config, the tensors and the tokenizer's
+    config; with a 150k-token vocabulary each parse takes ~20 s on CPU, most of a conversion.
+    It looks `gguf.GGUFReader` up at call time, so swapping the attribute is enough.
+    """
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def shared_reader(path, *args, **kwargs):
+        key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = original(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = shared_reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def _stored_dtype(path: Path) -> torch.dtype:
     """float32 for quantized files (what dequantizing yields); a half type for plain f16/bf16 files.
 
     Reading the whole header and tensor table also rejects truncated or corrupt files up front.
     """
-    from gguf import GGMLQuantizationType as Q, GGUFReader
+    import gguf
+    from gguf import GGMLQuantizationType as Q
 
     try:
-        types = {t.tensor_type for t in GGUFReader(path).tensors}
+        types = {t.tensor_type for t in gguf.GGUFReader(path).tensors}
     except Exception as e:  # the reader raises ValueError, IndexError, ... on malformed bytes
         raise ModelLoadError(
             f"{path} is not a readable GGUF file ({e}); it may be truncated or corrupt. "

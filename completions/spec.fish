@@ -1,0 +1,1 @@
+complete --command spec --no-files --arguments "(env _SPEC_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) spec)" --condition "env _SPEC_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) spec"

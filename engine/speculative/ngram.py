@@ -1,0 +1,131 @@
+"""NGRAM speculative decoding: drafts are continuations of text already seen, no draft model.
+
+One NgramCache is shared by all requests (as in SGLang): every prompt and every committed output token
+teaches it which tokens followed each context of `--speculative-ngram-{min,max}-match-window-size`
+tokens. Learning is lazy and incremental: at each draft (and at release) a request's tokens past what
+was already learned are added, so per step only the new tokens are touched, and only committed tokens
+(never rejected drafts) are ever learned.
+
+Drafting a request's tree:
+- Match: the longest suffix of its tokens (max window down to min window) with followers in the cache.
+  Nothing matches: the tree is the root alone and the step is a plain decode.
+- Breadth: how many nodes each tree level keeps. A longer match is a more specific, more trustworthy
+  context, so the breadth falls linearly from max_bfs_breadth (match of min window) to min_bfs_breadth
+  (match of max window). `--speculative-eagle-topk` caps it, keeping the meaning it has for EAGLE (nodes
+  kept per level, children per node): topk 1 always drafts a chain, as the tree flags promise.
+  The breadth is the same at every depth; the final cut below is what narrows deep levels.
+- Expansion, breadth first for up to `steps` levels: a node's candidate children are the followers of
+  the longest matching suffix of its own context (the request's tokens plus the path to it), at most
+  `breadth` of them, most frequent first (most recent among equals). A node scores the empirical
+  probability of its path (product of count / total along it); each level keeps its `breadth` best.
+- Cut: the `num_draft_tokens - 1` best-scoring nodes are kept. A child never scores above its parent,
+  and is created after it, so the kept set is a tree; a certain (single-follower) continuation keeps
+  its parent's score and runs deep, while uncertain branches are dropped first.
+Drafts are deterministic: trees carry no draft_probs, and sampling verification treats them as such.
+"""
+
+from __future__ import annotations
+
+import heapq
+from operator import itemgetter
+from typing import Callable, Sequence
+
+from engine.config import ServerArgs
+from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.speculative.base import SpeculativeWorker
+from engine.speculative.ngram_cache import NgramCache
+from engine.speculative.tree import DraftTree
+
+
+def ngram_tree(cache: NgramCache, context: Sequence[int], steps: int, budget: int,
+               breadth: Callable[[int], int]) -> DraftTree:
+    """A draft tree of at most `budget` nodes besides the root (`context[-1]`) and depth `steps`.
+    `breadth(match_length)` gives the nodes kept per level for the root's match length."""
+    root = context[-1]
+    ctx = tuple(context[-cache.max_window:])
+    match_len, counts = cache.match(ctx)
+    if counts is None:
+        return DraftTree.chain(root, [])
+    width = breadth(match_len)
+    tokens, parents, scores = [root], [-1], [1.0]
+    # Nodes to expand: (index, context tuple, longest possible match). A context's match is at most one
+    # longer than its parent's: a longer one would mean the parent's context matched longer too.
+    level = [(0, ctx, match_len)]
+    # The `budget`-th best score so far: a node at or below it, created later than the nodes above it,
+    # cannot make the cut, nor can its descendants (they score no higher): it is neither kept nor grown.
+    floor = 0.0
+    for _ in range(steps):
+        grown = []
+        for node, node_ctx, longest in level:
+            match_len, counts = cache.match(node_ctx, longest)
+            if counts is None:
+                continue
+            total = sum(counts.values())
+            # Most frequent first; reversed insertion order puts the most recent first among equals.
+            best = sorted(reversed(counts.items()), key=itemgetter(1), reverse=True)[:width]
+            grown += [(scores[node] * (c / total), node, tok, node_ctx, match_len) for tok, c in best]
+        # Stable sort: equal scores keep parent order, then follower rank.
+        grown = sorted((g for g in grown if g[0] > floor), key=lambda g: -g[0])
+        level = []
+        for score, parent, tok, parent_ctx, parent_match in grown[:width]:
+            tokens.append(tok)
+            parents.append(parent)
+            scores.append(score)
+            level.append((len(tokens) - 1, (parent_ctx + (tok,))[-cache.max_window:], parent_match + 1))
+        if len(scores) > budget:
+            floor = heapq.nlargest(budget, scores[1:])[-1]
+            level = [entry for entry in level if scores[entry[0]] > floor]
+        if not level:
+            break
+    keep = sorted(sorted(range(1, len(tokens)), key=lambda i: (-scores[i], i))[:budget])
+    new_index = {0: 0, **{old: new for new, old in enumerate(keep, start=1)}}
+    return DraftTree([root] + [tokens[i] for i in keep], [-1] + [new_index[parents[i]] for i in keep])
+
+
+def tokens_from(req: Request, start: int) -> list[int]:
+    """req.all_ids[start:] without building the whole sequence."""
+    n_prompt = len(req.prompt_ids)
+    if start >= n_prompt:
+        return req.output_ids[start - n_prompt:]
+    return req.prompt_ids[start:] + req.output_ids
+
+
+class NgramWorker(SpeculativeWorker):
+    def __init__(self, runner: ModelRunner, eos_ids: Sequence[int], args: ServerArgs):
+        super().__init__(runner, eos_ids, args)
+        self.min_window = args.speculative_ngram_min_match_window_size
+        self.max_window = args.speculative_ngram_max_match_window_size
+        self.min_breadth = args.speculative_ngram_min_bfs_breadth
+        self.max_breadth = args.speculative_ngram_max_bfs_breadth
+        # Followers kept per context: twice the widest use, so a rising follower can build up a count
+        # before it has to compete for a draft slot.
+        self.cache = NgramCache(self.min_window, self.max_window, args.speculative_ngram_capacity,
+                                2 * self.max_breadth)
+        self.learned: dict[Request, int] = {}     # tokens of each running request already in the cache
+
+    def breadth(self, match_len: int) -> int:
+        span = self.max_window - self.min_window
+        confidence = (match_len - self.min_window) / span if span else 1.0
+        width = round(self.max_breadth - (self.max_breadth - self.min_breadth) * confidence)
+        return min(self.topk, width)
+
+    def draft(self, reqs: Sequence[Request]) -> list[DraftTree]:
+        for req in reqs:                          # all first: one request's text may draft another's
+            self._learn(req)
+        return [ngram_tree(self.cache, tokens_from(req, max(0, req.seq_len - self.max_window)), self.steps,
+                           self.num_draft_tokens - 1, self.breadth) for req in reqs]
+
+    def release(self, req: Request) -> None:
+        # Learn the last accepted tokens too, then forget the request. A retracted request that comes
+        # back is learned again from its start: its n-grams count twice, which only skews frequencies.
+        self._learn(req)
+        self.learned.pop(req, None)
+
+    def _learn(self, req: Request) -> None:
+        done = self.learned.get(req, 0)
+        if done == req.seq_len:
+            return
+        start = max(0, done - self.max_window)
+        self.cache.learn(tokens_from(req, start), done - start)
+        self.learned[req] = req.seq_len

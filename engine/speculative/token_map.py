@@ -1,0 +1,70 @@
+"""FR-Spec token maps: a draft's lm_head restricted to the most frequent tokens.
+
+With a large vocabulary the lm_head is a big share of a small draft's cost. FR-Spec (Zhao et al., 2025)
+drafts over the few thousand most frequent tokens only: acceptance barely moves, since drafts are
+almost always frequent tokens, and verification keeps the output exact whatever the draft proposes.
+A map is a torch.save'd list (or 1-D tensor) of token ids ordered by frequency, as FR-Spec publishes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.errors import ConfigError
+
+_FORMAT = "a file written by torch.save(token_ids, path), token_ids a list or 1-D tensor of distinct ints"
+
+
+def load_token_map(path: str | Path, vocab_size: int) -> torch.LongTensor:
+    """The map's token ids, validated against the draft vocabulary [0, vocab_size)."""
+    where = f"--speculative-token-map {str(path)!r}"
+    if not Path(path).is_file():
+        raise ConfigError(f"{where} does not exist; pass {_FORMAT} (FR-Spec's freq_*.pt files are such).")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # unpickling raises many types
+        raise ConfigError(f"{where} cannot be read by torch.load ({exc}); pass {_FORMAT}.") from None
+    if isinstance(data, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in data):
+        ids = torch.tensor(data, dtype=torch.long)
+    elif isinstance(data, torch.Tensor) and not data.is_floating_point() and not data.is_complex() \
+            and data.dtype != torch.bool:
+        ids = data.long()
+    else:
+        raise ConfigError(f"{where} holds {_describe(data)}; pass {_FORMAT}.")
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ConfigError(f"{where} holds a tensor of shape {tuple(ids.shape)}; pass {_FORMAT} (1-D, not empty).")
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    if outside.numel():
+        raise ConfigError(f"{where} lists token id {int(outside[0])}, outside the vocabulary [0, {vocab_size}); "
+                          "pass a map made for this model's tokenizer.")
+    values, counts = ids.unique(return_counts=True)
+    if (counts > 1).any():
+        raise ConfigError(f"{where} lists token id {int(values[counts > 1][0])} more than once; each id must "
+                          "appear once.")
+    return ids
+
+
+def _describe(data) -> str:
+    if isinstance(data, torch.Tensor):
+        return f"a {data.dtype} tensor"
+    if isinstance(data, (list, tuple)):
+        return "a list with non-integer items"
+    return f"a {type(data).__name__}"
+
+
+class HotVocabHead:
+    """A draft lm_head over the map's tokens: one matmul with their rows of the lm_head weight, scattered
+    into logits over the full vocabulary with -inf elsewhere, so any top-k or sampling picks hot tokens."""
+
+    def __init__(self, weight: torch.Tensor, hot_ids: torch.Tensor, vocab_size: int):
+        self.ids = hot_ids.to(weight.device)
+        self.weight = weight.detach()[self.ids]          # a contiguous copy of the hot rows
+        self.vocab_size = vocab_size
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] final normed hidden states -> fp32 logits [N, vocab_size]."""
+        hot = torch.nn.functional.linear(hidden, self.weight).float()
+        out = hot.new_full((hot.shape[0], self.vocab_size), float("-inf"))
+        return out.index_copy_(1, self.ids, hot)

@@ -1,0 +1,1 @@
+"""Triton kernels for hot spots, each with a torch reference; imported as spec_kernels."""

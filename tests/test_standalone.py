@@ -1,0 +1,220 @@
+"""STANDALONE speculative decoding: the EAGLE-2 tree search on a hand-computed example, greedy outputs
+identical to plain decoding over several tree shapes, full acceptance with the target as its own draft
+(also across retraction), FR-Spec maps, and draft/target vocabulary checks."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from engine import ConfigError, Engine
+from engine.speculative.draft_tree_search import Frontier, search_trees
+from tests.tiny import make_model, make_tokenizer
+
+GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def noisy_copy(src, dst, noise: float, seed: int = 0):
+    """The target with every weight perturbed: a draft that agrees with it often, not always."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise)
+    model.save_pretrained(dst)
+    make_tokenizer(dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("target"), "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory, target_dir):
+    return noisy_copy(target_dir, tmp_path_factory.mktemp("draft"), noise=0.01)
+
+
+def engine(target, draft=None, tree=None, **kw) -> Engine:
+    spec = {}
+    if draft is not None:
+        steps, topk, tokens = tree
+        spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=str(draft),
+                    speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)
+    return Engine(model_path=str(target), dtype="float32", max_total_tokens=kw.pop("max_total_tokens", 4096), **spec, **kw)
+
+
+def generate(eng: Engine, ps, params=GREEDY) -> list[list[int]]:
+    return [o["output_ids"] for o in eng.generate(input_ids=ps, sampling_params=params)]
+
+
+@pytest.fixture(scope="module")
+def confident_dir(tmp_path_factory, target_dir):
+    """The target with a sharper lm_head: its greedy path is the best-scoring path of a draft tree, so
+    as its own draft everything drafted along it must be accepted."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)
+    path = tmp_path_factory.mktemp("confident")
+    model.save_pretrained(path)
+    make_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(target_dir):
+    ps = prompts(5, seed=1)
+    return ps, generate(engine(target_dir), ps)
+
+
+# ------------------------------------------------------------------ the tree search itself
+# A bigram draft: a node's next-token distribution depends on its token only.
+ROOT = [0.5, 0.35, 0.05, 0.05, 0.05]
+NEXT = {0: [0.05, 0.1, 0.6, 0.2, 0.05], 1: [0.9, 0.04, 0.03, 0.02, 0.01], 2: [0.2, 0.1, 0.05, 0.6, 0.05],
+        3: [0.7, 0.1, 0.1, 0.05, 0.05], 4: [0.1, 0.1, 0.1, 0.1, 0.6]}
+
+
+def bigram_expand(calls: list):
+    def expand(frontiers: list[Frontier]) -> torch.Tensor:
+        calls.append(frontiers)
+        return torch.tensor([NEXT[t] for f in frontiers for t in f.tokens]).log()
+    return expand
+
+
+def test_tree_search_hand_computed():
+    # Path probabilities: [0] .5, [1] .35, [1 0] .315, [0 2] .30, [1 0 2] .189, [0 2 3] .18, [0 3] .10,
+    # [1 0 3] .063, [0 2 0] .06, [1 1] .014. Depth-2 frontier: [1 0], [0 2] (best two of four).
+    calls: list = []
+    six, eight = [search_trees([9], torch.tensor([ROOT]).log(), bigram_expand(calls), 3, 2, n)[0] for n in (6, 8)]
+    # Best five, breadth first, siblings by score.
+    assert six.tokens == [9, 0, 1, 0, 2, 2] and six.parents == [-1, 0, 0, 2, 1, 3]
+    assert eight.tokens == [9, 0, 1, 0, 2, 3, 2, 3] and eight.parents == [-1, 0, 0, 2, 1, 1, 3, 4]
+    assert six.draft_probs is None
+    depth1, depth2 = calls[:2]          # one call per forwarded depth, one Frontier per request
+    assert depth1 == [Frontier(1, [0, 1], [-1, -1])]
+    assert depth2 == [Frontier(2, [0, 2], [1, 0])]       # [1 0] comes from frontier node 1, [0 2] from node 0
+
+
+def test_tree_search_chain_batch_and_impossible_tokens():
+    roots = torch.tensor([ROOT, [0.0, 0.0, 1.0, 0.0, 0.0]]).log()     # second: only token 2 is possible
+    chain = search_trees([9, 9], roots, bigram_expand([]), 3, 1, 4)
+    assert [t.tokens for t in chain] == [[9, 0, 2, 3], [9, 2, 3, 0]]
+    # Batched search equals one search per request; a -inf token is never drafted.
+    both = search_trees([9, 9], roots, bigram_expand([]), 2, 2, 5)
+    alone = search_trees([9], roots[1:], bigram_expand([]), 2, 2, 5)[0]
+    assert both[1].tokens == alone.tokens and both[1].parents == alone.parents
+    assert both[1].tokens[1] == 2 and both[1].children[0] == [1]
+
+
+def test_sampler_draws_chain_and_returns_its_distributions():
+    seen = []
+
+    def sampler(depth: int, scores: torch.Tensor):
+        seen.append(depth)
+        q = torch.softmax(scores, -1)
+        return 4 - depth, q          # any token the distribution allows
+
+    tree = search_trees([9], torch.tensor([ROOT]).log(), bigram_expand([]), 2, 1, 3, [sampler])[0]
+    assert seen == [1, 2] and tree.tokens == [9, 3, 2]
+    torch.testing.assert_close(tree.draft_probs, torch.tensor([ROOT, NEXT[3]]).log().softmax(-1))
+
+
+# ------------------------------------------------------------------ end to end
+@pytest.mark.parametrize("tree", [(3, 1, 4), (3, 2, 6), (2, 4, 8)])
+def test_greedy_identical_to_plain(target_dir, draft_dir, plain_outputs, tree):
+    ps, ref = plain_outputs
+    eng = engine(target_dir, draft_dir, tree)
+    assert generate(eng, ps) == ref
+    stats = eng.worker.stats
+    assert 1.5 < stats.tokens / stats.verify_ct < tree[0] + 1      # real, partial acceptance
+    assert eng.worker.states == {}
+    assert eng.worker.draft_runner.allocator.available() == eng.worker.draft_runner.allocator.size
+
+
+def test_small_independent_draft(tmp_path, target_dir, plain_outputs):
+    ps, ref = plain_outputs
+    small = make_model(tmp_path, "llama", layers=1, hidden=32, seed=5)
+    assert generate(engine(target_dir, small, (2, 2, 4)), ps) == ref
+
+
+@pytest.mark.parametrize("tree", [(3, 1, 4), (2, 4, 8)])
+def test_target_as_own_draft_accepts_everything(confident_dir, tree):
+    ps = prompts(5, seed=1)
+    eng = engine(confident_dir, confident_dir, tree)
+    assert generate(eng, ps) == generate(engine(confident_dir), ps)
+    stats = eng.worker.stats
+    assert stats.tokens == stats.verify_ct * (tree[0] + 1)
+
+
+@pytest.mark.parametrize("radix", [True, False])
+def test_retraction_keeps_outputs_and_draft_state(confident_dir, radix):
+    ps = prompts(6, seed=6, lo=10, hi=20)
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    ref = generate(engine(confident_dir), ps, params)
+    eng = engine(confident_dir, confident_dir, (3, 1, 4), max_total_tokens=100, disable_radix_cache=not radix)
+    assert generate(eng, ps, params) == ref
+    assert eng.scheduler.stats["retractions"] > 0
+    # Full acceptance throughout: a re-admitted request's draft starts over from committed tokens only.
+    stats = eng.worker.stats
+    assert stats.tokens == stats.verify_ct * 4
+    assert eng.worker.states == {} and eng.worker.draft_runner.allocator.available() == 100
+
+
+def test_sampled_chain_uses_the_request_distribution(target_dir):
+    # Drawn from the same processed distribution the target samples from, self-drafts are accepted
+    # (almost) always by rejection sampling: p/q is 1 up to rounding.
+    eng = engine(target_dir, target_dir, (3, 1, 4))
+    params = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "max_new_tokens": 32, "ignore_eos": True, "seed": 7}
+    out = eng.generate(input_ids=prompts(3, seed=8), sampling_params=params)
+    assert all(len(o["output_ids"]) == 32 for o in out)
+    stats = eng.worker.stats
+    assert stats.tokens / stats.verify_ct > 3.9
+
+
+def test_token_map_restricts_drafts_keeps_output(tmp_path, target_dir, draft_dir, plain_outputs):
+    ps, ref = plain_outputs
+    hot = torch.randperm(320, generator=torch.Generator().manual_seed(0))[:160]
+    path = tmp_path / "freq_160.pt"
+    torch.save(hot.tolist(), path)
+    eng = engine(target_dir, draft_dir, (3, 2, 6), speculative_token_map=str(path))
+    drafted = []
+
+    def recording(reqs):
+        trees = type(eng.worker).draft(eng.worker, reqs)
+        drafted.extend(t for tree in trees for t in tree.tokens[1:])
+        return trees
+
+    eng.worker.draft = recording
+    assert generate(eng, ps) == ref
+    assert drafted and set(drafted) <= set(hot.tolist())
+
+
+def test_full_token_map_with_own_draft_accepts_everything(tmp_path, target_dir, plain_outputs):
+    ps, ref = plain_outputs
+    path = tmp_path / "all.pt"
+    torch.save(torch.randperm(320), path)
+    eng = engine(target_dir, target_dir, (3, 1, 4), speculative_token_map=str(path))
+    assert generate(eng, ps) == ref
+    assert eng.worker.stats.tokens == eng.worker.stats.verify_ct * 4
+
+
+def test_vocabulary_checks(tmp_path, target_dir, plain_outputs):
+    small = make_model(tmp_path / "v256", "llama", vocab=256, seed=3)
+    with pytest.raises(ConfigError, match=r"\(256 tokens\).*\(320 tokens\)"):
+        engine(target_dir, small, (2, 1, 3))
+    # A padded vocabulary with the same tokenizer is fine: drafts stay within the target's.
+    ps, ref = plain_outputs
+    padded = make_model(tmp_path / "v384", "llama", vocab=384, seed=3)
+    assert generate(engine(target_dir, padded, (2, 2, 4)), ps) == ref
