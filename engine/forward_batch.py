@@ -8,7 +8,7 @@ verification (extend_len = tree size, with a tree mask) are all this one shape.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -36,3 +36,38 @@ class ForwardBatch:
     @property
     def is_decode(self) -> bool:
         return self.custom_masks is None and all(n == 1 for n in self.extend_lens)
+
+
+@dataclass
+class ForwardItem:
+    """One request's part of a forward: its new tokens and where their KV goes."""
+    row: int
+    prefix_len: int
+    token_ids: Sequence[int]
+    positions: Optional[Sequence[int]] = None   # default: prefix_len, prefix_len + 1, ...
+    mask: Optional[torch.Tensor] = None         # tree mask among the new tokens; None = causal
+
+
+def build_forward_batch(items: Sequence[ForwardItem], out_slots: torch.Tensor, table: torch.Tensor,
+                        capture_hidden: tuple[int, ...] = ()) -> ForwardBatch:
+    """Record each item's new KV slots in its row of the req-to-token `table` (in order, `out_slots`
+    holds them all) and lay the items out as one ForwardBatch on the table's device."""
+    device = table.device
+    ids, pos, offset = [], [], 0
+    for it in items:
+        n = len(it.token_ids)
+        table[it.row, it.prefix_len:it.prefix_len + n] = out_slots[offset:offset + n].to(device)
+        ids.extend(it.token_ids)
+        pos.extend(it.positions if it.positions is not None else range(it.prefix_len, it.prefix_len + n))
+        offset += n
+    masks = [it.mask for it in items]
+    return ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=torch.tensor(pos, dtype=torch.long, device=device),
+        out_slots=out_slots.to(device),
+        req_rows=torch.tensor([it.row for it in items], dtype=torch.long),
+        prefix_lens=[it.prefix_len for it in items],
+        extend_lens=[len(it.token_ids) for it in items],
+        custom_masks=masks if any(m is not None for m in masks) else None,
+        capture_hidden=capture_hidden,
+    )

@@ -11,7 +11,7 @@ import torch
 from engine.attention import create_backend
 from engine.config import ServerArgs
 from engine.errors import ConfigError, ModelLoadError
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardItem, build_forward_batch
 from engine.memory.kv_pool import KVPool, ReqToTokenPool, TokenSlotAllocator
 from engine.models import model_class
 
@@ -37,16 +37,6 @@ def resolve_dtype(name: str, config, device: str) -> torch.dtype:
         # fp16 matmuls are slow on CPU; bf16 has AMX/AVX-512 kernels and halves the memory read per token.
         return torch.float32 if ckpt == torch.float32 else torch.bfloat16
     return ckpt
-
-
-@dataclass
-class ForwardItem:
-    """One request's part of a forward: its new tokens and where their KV goes."""
-    row: int
-    prefix_len: int
-    token_ids: Sequence[int]
-    positions: Optional[Sequence[int]] = None   # default: prefix_len, prefix_len + 1, ...
-    mask: Optional[torch.Tensor] = None         # tree mask among the new tokens; None = causal
 
 
 @dataclass
@@ -124,28 +114,7 @@ class ModelRunner:
                 capture_hidden: tuple[int, ...] = ()) -> ForwardOutput:
         """Run the model over every item's new tokens (their KV slots already allocated in
         `out_slots`, in order) and return logits for the flat token indices `logit_rows`."""
-        ids, pos = [], []
-        for it in items:
-            ids.extend(it.token_ids)
-            pos.extend(it.positions if it.positions is not None else
-                       range(it.prefix_len, it.prefix_len + len(it.token_ids)))
-        table = self.req_to_token.table
-        offset = 0
-        for it in items:
-            n = len(it.token_ids)
-            table[it.row, it.prefix_len:it.prefix_len + n] = out_slots[offset:offset + n]
-            offset += n
-        masks = [it.mask for it in items]
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(pos, dtype=torch.long, device=self.device),
-            out_slots=out_slots.to(self.device),
-            req_rows=torch.tensor([it.row for it in items], dtype=torch.long),
-            prefix_lens=[it.prefix_len for it in items],
-            extend_lens=[len(it.token_ids) for it in items],
-            custom_masks=masks if any(m is not None for m in masks) else None,
-            capture_hidden=capture_hidden,
-        )
+        batch = build_forward_batch(items, out_slots, self.req_to_token.table, capture_hidden)
         self.backend.prepare(batch)
         with torch.inference_mode():
             hidden, captured = self.model(batch.input_ids, batch.positions, batch, self.backend)

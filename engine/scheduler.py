@@ -208,7 +208,7 @@ class Scheduler:
             for req, tok in zip(done, self.worker.sample_next(done, out.logits)):
                 if not self._append(req, [tok]):
                     self.running.append(req)
-        self.worker.after_prefill([(r, n) for r, n in plan if not r.finished], out)
+        self.worker.after_prefill(plan, out)
         return done
 
     # ------------------------------------------------------------------ decode

@@ -30,9 +30,10 @@ class PlainWorker:
         self.eos_ids = list(eos_ids)
 
     def after_prefill(self, plan: Sequence[tuple[Request, int]], out: ForwardOutput) -> None:
-        """After each prefill forward (every chunk) of still-running requests, with how many tokens each
-        fed, in order, and the sampled first token already appended where a prefill completed.
-        Speculative workers keep what their drafts need here (EAGLE: the target's hidden states)."""
+        """After each prefill forward (every chunk), with how many tokens each request fed, in the order
+        of `out.hidden`, and the sampled first token already appended where a prefill completed (such a
+        request may have finished right there: workers skip finished requests). Speculative workers
+        keep what their drafts need here (EAGLE: the target's hidden states)."""
 
     def release(self, req: Request) -> None:
         """The request left the running batch (finished or retracted)."""

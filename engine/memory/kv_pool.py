@@ -29,7 +29,8 @@ class TokenSlotAllocator:
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            self._free = torch.cat([self._free, slots.to(torch.int64).flatten()])
+            # .cpu(): slots often come from a req-to-token table on the GPU; the free list lives on the CPU.
+            self._free = torch.cat([self._free, slots.to("cpu", torch.int64).flatten()])
 
     def reset(self) -> None:
         self._free = torch.arange(1, self.size + 1, dtype=torch.int64)

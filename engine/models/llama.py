@@ -169,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         pending: dict[str, dict[str, torch.Tensor]] = {}
-        for name, tensor in _fused(weights, pending):
+        for name, tensor in fuse_weights(weights, pending):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
             if name not in params:
@@ -193,7 +193,7 @@ _FUSED = {  # part name -> (fused name, order of the parts)
 }
 
 
-def _fused(weights: Iterable[tuple[str, torch.Tensor]], pending: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def fuse_weights(weights: Iterable[tuple[str, torch.Tensor]], pending: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """Concatenate q/k/v (and gate/up) weights and biases as soon as all parts of one have arrived."""
     for name, tensor in weights:
         parts = name.split(".")

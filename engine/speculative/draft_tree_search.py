@@ -59,11 +59,10 @@ def search_trees(roots: Sequence[int], root_scores: torch.Tensor, expand: Expand
     tokens, scores, parents, depths = [], [], [], []      # per depth: [B, nodes] tensors / ints
     frontier_score = root_scores.new_zeros((B, 1), dtype=torch.float32)
     frontier_index = torch.full((B, 1), -1, dtype=torch.long, device=root_scores.device)  # -1: the root
-    raw = root_scores[:, None, :]
+    frontiers: list[Frontier] = []
     generated = 0
     for depth in range(1, steps + 1):
-        if depth > 1:
-            raw = expand(frontiers).view(B, k, V)
+        raw = root_scores[:, None, :] if depth == 1 else expand(frontiers).view(B, k, V)
         # log_softmax is <= 0 up to rounding; clamping keeps "a child never outscores its parent" exact.
         logp = torch.log_softmax(raw.float(), dim=-1).clamp_max(0.0)
         child_score, child_token = (frontier_score[:, :, None] + logp).topk(k, dim=-1)     # [B, f, k]

@@ -65,8 +65,9 @@ class StandaloneWorker(SpeculativeWorker):
             speculative_token_map=None, speculative_draft_model_quantization=None)
         # A row per running request, plus topk - 1 scratch rows for each while it drafts a tree.
         self.draft_runner = ModelRunner(draft_args, draft_dir, config, kv_pool_tokens=tokens,
-                                 max_requests=runner.max_requests * self.topk)
-        self.head = HotVocabHead(self.draft_runner.model.lm_head_weight(), hot, self.vocab_size) if hot is not None else None
+                                        max_requests=runner.max_requests * self.topk)
+        self.head = (HotVocabHead(self.draft_runner.model.lm_head_weight(), hot, self.vocab_size)
+                     if hot is not None else None)
         self.catch_up_budget = _catch_up_budget(args, runner.device)
         self.states: dict[Request, _DraftState] = {}
 
@@ -138,7 +139,8 @@ class StandaloneWorker(SpeculativeWorker):
                 items.append(ForwardItem(state.row, state.kv_len, req.all_ids[state.kv_len:state.kv_len + n]))
                 fed.append((i, n))
                 budget -= n
-            out = self.draft_runner.forward(items, self.draft_runner.allocator.alloc(sum(n for _, n in fed)), _NO_LOGITS)
+            slots = self.draft_runner.allocator.alloc(sum(n for _, n in fed))
+            out = self.draft_runner.forward(items, slots, _NO_LOGITS)
             offset = 0
             for i, n in fed:
                 states[i].kv_len += n
@@ -168,8 +170,9 @@ class StandaloneWorker(SpeculativeWorker):
     def release(self, req: Request) -> None:
         state = self.states.pop(req, None)
         if state is not None:
-            self.draft_runner.allocator.free(self.draft_runner.req_to_token.table[state.row, :state.kv_len].clone())
-            self.draft_runner.req_to_token.free(state.row)
+            pool = self.draft_runner.req_to_token
+            self.draft_runner.allocator.free(pool.table[state.row, :state.kv_len].cpu())
+            pool.free(state.row)
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -1,0 +1,342 @@
+"""EAGLE and EAGLE-3: published checkpoint layouts load as they are, the draft computes what a plain
+(cache-free) implementation of the published architecture computes, decoding stays exactly the
+target's, and a draft that predicts well is accepted."""
+
+from __future__ import annotations
+
+import json
+import logging
+import types
+
+import pytest
+import torch
+
+from engine import Engine
+from engine.errors import ConfigError, ModelLoadError
+from engine.models.eagle import Eagle3Draft, EagleDraft, eagle3_aux_layers, load_eagle_draft
+from engine.sampling_params import SamplingParams
+from tests import eagle_checkpoints as ckpt
+from tests.tiny import make_model
+
+GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
+CHAIN = (3, 1, 4)
+TREE = (3, 2, 6)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 40, (n,), generator=g).tolist()
+    return [torch.randint(3, 300, (k,), generator=g).tolist() for k in lengths]
+
+
+def engine(model_dir, algorithm=None, draft=None, tree=CHAIN, **kw) -> Engine:
+    spec = {}
+    if algorithm:
+        steps, topk, tokens = tree
+        spec = dict(speculative_algorithm=algorithm, speculative_draft_model_path=str(draft),
+                    speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)
+    return Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=kw.pop("max_total_tokens", 4096),
+                  **spec, **kw)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    # Four layers: EAGLE-3's default aux states (2, L//2, L-3) need at least three.
+    return make_model(tmp_path_factory.mktemp("target"), "llama", layers=4)
+
+
+@pytest.fixture(scope="module")
+def drafts(target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafts")
+    config, tensors = ckpt.eagle_tensors(target, seed=1)
+    return {
+        "repo": ckpt.save_eagle_repo(root / "repo", config, tensors),
+        "sglang": ckpt.save_sglang_eagle(root / "sglang", target, config, tensors),
+        "eagle3": ckpt.save_eagle3(root / "eagle3", target, seed=2),
+    }
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    eng = engine(target)
+    batch = prompts(5)
+    return eng, batch, [o["output_ids"] for o in eng.generate(input_ids=batch, sampling_params=GREEDY)]
+
+
+# ------------------------------------------------------------------------------------------------ loading
+@pytest.mark.parametrize("layout", ["repo", "sglang", "eagle3"])
+def test_layout_loads_as_published(plain, drafts, layout):
+    target_model = plain[0].runner.model
+    algorithm = "EAGLE3" if layout == "eagle3" else "EAGLE"
+    model = load_eagle_draft(algorithm, drafts[layout], target_model, max_positions=600,
+                             dtype=torch.float32, device="cpu")
+    saved = torch.load(drafts["repo" if layout == "sglang" else layout] / "pytorch_model.bin")
+    layer = "layers.0" if algorithm == "EAGLE" else "midlayer"
+    qkv = torch.cat([saved[f"{layer}.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(model.attention.qkv_proj.weight, qkv)
+    assert torch.equal(model.fc.weight, saved["fc.weight"])
+    if algorithm == "EAGLE":
+        assert isinstance(model, EagleDraft) and model.aux_layers == ()
+        assert torch.equal(model.fc.bias, saved["fc.bias"])
+        assert isinstance(model.layers[0].input_layernorm, torch.nn.Identity)
+        h = torch.randn(3, 64)      # logits are the target's lm_head over the layer output, no norm
+        torch.testing.assert_close(model.logits(h), target_model.compute_logits(h))
+    else:
+        assert isinstance(model, Eagle3Draft) and model.fc.bias is None
+        assert model.aux_layers == (2, 2, 1)
+        ids = torch.arange(200) + saved["d2t"]
+        assert torch.equal(model.head.ids, ids) and torch.equal(ids, saved["t2d"].nonzero().flatten())
+        logits = model.logits(torch.randn(3, 64))
+        assert logits.shape == (3, 320) and torch.isinf(logits).sum() == 3 * 120
+        assert torch.isfinite(logits[:, ids]).all()
+
+
+def test_eagle3_aux_layers():
+    cfg = types.SimpleNamespace
+    assert eagle3_aux_layers(cfg(), 32, "d") == (2, 16, 29)
+    # Checkpoint ids name layer outputs: index = id + 1 (SGLang's convention), nested or top level.
+    nested = cfg(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 15, 28]})
+    assert eagle3_aux_layers(nested, 32, "d") == (2, 16, 29)
+    assert eagle3_aux_layers(cfg(eagle_aux_hidden_state_layer_ids=[0, 1, 3]), 4, "d") == (1, 2, 4)
+    with pytest.raises(ConfigError, match="below the target's 4 layers"):
+        eagle3_aux_layers(cfg(eagle_aux_hidden_state_layer_ids=[0, 1, 4]), 4, "d")
+    with pytest.raises(ConfigError, match="at least 3"):
+        eagle3_aux_layers(cfg(), 2, "d")
+
+
+def test_bad_drafts_are_refused_clearly(plain, drafts, target, tmp_path):
+    target_model = plain[0].runner.model
+
+    def load(algorithm, path):
+        return load_eagle_draft(algorithm, path, target_model, max_positions=600, dtype=torch.float32, device="cpu")
+
+    config, tensors = ckpt.eagle_tensors(target, hidden=32)
+    with pytest.raises(ConfigError, match="hidden size 32 but the target has 64"):
+        load("EAGLE", ckpt.save_eagle_repo(tmp_path / "narrow", config, tensors))
+    d2t = torch.zeros(200, dtype=torch.long)
+    d2t[-1] = 200      # draft id 199 -> target id 399, past the target's 320 tokens
+    with pytest.raises(ConfigError, match="d2t maps draft token 199 to target id 399"):
+        load("EAGLE3", ckpt.save_eagle3(tmp_path / "bad_d2t", target, d2t=d2t))
+    with pytest.raises(ConfigError, match="is an EAGLE3 draft.*--speculative-algorithm EAGLE3"):
+        load("EAGLE", drafts["eagle3"])
+    with pytest.raises(ModelLoadError, match="one decoder layer.*num_hidden_layers=4.*STANDALONE"):
+        load("EAGLE", target)       # an ordinary model is not an EAGLE draft
+    full_config, full = ckpt.eagle_tensors(target)
+    del full["fc.weight"]
+    with pytest.raises(ModelLoadError, match="no fc.weight"):
+        load("EAGLE", ckpt.save_eagle_repo(tmp_path / "no_fc", full_config, full))
+    bare = tmp_path / "odd"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    torch.save(tensors, bare / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match="expected one of LlamaForCausalLM, LlamaForCausalLMEagle"):
+        load("EAGLE", bare)
+
+
+# ------------------------------------------------------------------------------------------------ the draft's numbers
+class DenseDraft:
+    """The published draft architectures computed plainly from the checkpoint's tensors: causal
+    attention over the whole sequence from position 0, no cache; features from transformers' target."""
+
+    def __init__(self, target_dir, draft_dir, layout: str, aux: tuple[int, ...] = ()):
+        from transformers import AutoModelForCausalLM
+
+        self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        self.cfg = json.loads((draft_dir / "config.json").read_text())
+        self.t = torch.load(draft_dir / "pytorch_model.bin")
+        self.layout, self.aux = layout, aux
+
+    def features(self, ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            hs = self.target(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        if self.layout == "EAGLE":
+            return hs[-1][0]                                   # final normed
+        return torch.cat([hs[i][0] for i in self.aux], -1) @ self.t["fc.weight"].T
+
+    def _rms(self, x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg["rms_norm_eps"]))
+
+    def _attention(self, x, prefix, start):
+        t, c = self.t, self.cfg
+        heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
+        n, hd = x.shape[0], c["hidden_size"] // heads
+        q = (x @ t[f"{prefix}.q_proj.weight"].T).view(n, heads, hd).transpose(0, 1)
+        k = (x @ t[f"{prefix}.k_proj.weight"].T).view(n, kv_heads, hd).transpose(0, 1)
+        v = (x @ t[f"{prefix}.v_proj.weight"].T).view(n, kv_heads, hd).transpose(0, 1)
+        freqs = torch.arange(start, start + n)[:, None] * (1.0 / c["rope_theta"] ** (torch.arange(0, hd, 2) / hd))[None]
+        cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+
+        def rope(z):
+            return z * cos + torch.cat([-z[..., hd // 2:], z[..., :hd // 2]], -1) * sin
+
+        q, k = rope(q), rope(k).repeat_interleave(heads // kv_heads, 0)
+        scores = (q @ k.transpose(1, 2)) / hd ** 0.5 + torch.full((n, n), float("-inf")).triu(1)
+        out = scores.softmax(-1) @ v.repeat_interleave(heads // kv_heads, 0)
+        return out.transpose(0, 1).reshape(n, -1) @ t[f"{prefix}.o_proj.weight"].T
+
+    def _mlp(self, x, prefix):
+        t = self.t
+        gate, up = x @ t[f"{prefix}.gate_proj.weight"].T, x @ t[f"{prefix}.up_proj.weight"].T
+        return (torch.nn.functional.silu(gate) * up) @ t[f"{prefix}.down_proj.weight"].T
+
+    def run(self, tokens: list[int], feats: torch.Tensor, start: int) -> torch.Tensor:
+        """Outputs at positions start, start + 1, ... for inputs (tokens[i], feats[i])."""
+        t = self.t
+        e = self.target.model.embed_tokens(torch.tensor(tokens)).detach()
+        if self.layout == "EAGLE":
+            h = torch.cat([e, feats], -1) @ t["fc.weight"].T + t["fc.bias"]
+            h = h + self._attention(h, "layers.0.self_attn", start)
+            return h + self._mlp(self._rms(h, t["layers.0.post_attention_layernorm.weight"]), "layers.0.mlp")
+        x = torch.cat([self._rms(e, t["midlayer.input_layernorm.weight"]),
+                       self._rms(feats, t["midlayer.hidden_norm.weight"])], -1)
+        h = feats + self._attention(x, "midlayer.self_attn", start)
+        return h + self._mlp(self._rms(h, t["midlayer.post_attention_layernorm.weight"]), "midlayer.mlp")
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.layout == "EAGLE":
+            return self.target.lm_head(h).detach()
+        out = torch.full((320,), float("-inf"))
+        ids = torch.arange(self.t["d2t"].shape[0]) + self.t["d2t"]
+        out[ids] = self._rms(h, self.t["norm.weight"]) @ self.t["lm_head.weight"].T
+        return out
+
+    def path_logits(self, committed: list[int], path: list[int], start: int = 0) -> torch.Tensor:
+        """Draft logits after the committed tokens (the last one is the root), then after each
+        drafted token of `path`, whose feature is the draft's own output before it. The draft's
+        context starts at position `start`."""
+        tokens, feats = committed[start + 1:], self.features(committed[:-1])[start:]
+        out = []
+        for i in range(len(path) + 1):
+            h = self.run(tokens, feats, start)
+            out.append(self.logits(h[-1]))
+            if i < len(path):
+                tokens, feats = tokens + [path[i]], torch.cat([feats, h[-1:]])
+        return torch.stack(out)
+
+
+@pytest.mark.parametrize("layout,shape", [("EAGLE", CHAIN), ("EAGLE3", CHAIN), ("EAGLE", TREE), ("EAGLE3", TREE)])
+def test_draft_matches_plain_implementation(target, drafts, monkeypatch, layout, shape):
+    """Root scores and every expanded node's scores equal the plain computation along the node's
+    path, after the prefill and again after a verification (catch-up on accepted tokens)."""
+    import engine.speculative.eagle as eagle_worker
+
+    draft_dir = drafts["repo" if layout == "EAGLE" else "eagle3"]
+    eng = engine(target, layout, draft_dir, shape, chunked_prefill_size=8)     # prompt fed in chunks
+    dense = DenseDraft(target, draft_dir, layout, eng.worker.capture_hidden)
+    calls = []
+
+    def recording_search(roots, root_scores, expand, *args, **kw):
+        def recorded(frontiers):
+            scores = expand(frontiers)
+            calls[-1].append((frontiers, scores))
+            return scores
+        calls.append([(None, root_scores)])
+        return search_trees(roots, root_scores, recorded, *args, **kw)
+
+    search_trees = eagle_worker.search_trees
+    monkeypatch.setattr(eagle_worker, "search_trees", recording_search)
+    req = eng.make_request(prompts(1, seed=7)[0] + [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], SamplingParams(**GREEDY))
+    eng.add_request(req)
+    while req.kv_len < len(req.prompt_ids):
+        eng.step()                                  # prefill, chunk by chunk
+    for _ in range(3):
+        committed = req.all_ids
+        tree = eng.worker.draft([req])[0]
+        (_, root_scores), *expansions = calls[-1]
+        torch.testing.assert_close(root_scores[0], dense.path_logits(committed, [])[0], atol=1e-4, rtol=1e-4)
+        paths = [[]]                                # draft tokens from the root to each frontier node
+        for frontiers, scores in expansions:
+            f = frontiers[0]
+            paths = [paths[max(p, 0)] + [tok] for p, tok in zip(f.parents, f.tokens)]
+            for path, row in zip(paths, scores):
+                torch.testing.assert_close(row, dense.path_logits(committed, path)[-1], atol=1e-4, rtol=1e-4)
+        if shape[1] == 1:                           # greedy chain: argmax at every depth
+            expected = dense.path_logits(committed, tree.tokens[1:]).argmax(-1).tolist()
+            assert tree.tokens[1:] == expected[:-1]
+        eng.step()                                  # verify (drafts again inside), commit, catch up next time
+
+
+def test_radix_hit_starts_the_draft_context_after_the_cached_prefix(target, drafts):
+    """The target computes no features for a prefix served from the radix cache: the draft's context
+    starts after it, at its true positions."""
+    eng = engine(target, "EAGLE3", drafts["eagle3"])
+    dense = DenseDraft(target, drafts["eagle3"], "EAGLE3", eng.worker.capture_hidden)
+    base = prompts(1, seed=11)[0] + [20, 21, 22, 23]
+    eng.generate(input_ids=base, sampling_params=dict(GREEDY, max_new_tokens=4))
+    req = eng.make_request(base + [5, 6, 7], SamplingParams(**GREEDY))
+    eng.add_request(req)
+    eng.step()
+    state = eng.worker.states[req]
+    assert state.start == req.cached_tokens == len(base)
+    torch.testing.assert_close(eng.worker.model.logits(state.last[None])[0],
+                               dense.path_logits(req.all_ids, [], start=state.start)[0], atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+@pytest.mark.parametrize("layout,tree", [("EAGLE", CHAIN), ("EAGLE", TREE), ("EAGLE3", CHAIN), ("EAGLE3", TREE)])
+def test_greedy_output_is_the_targets(plain, drafts, target, layout, tree):
+    _, batch, expected = plain
+    eng = engine(target, layout, drafts["repo" if layout == "EAGLE" else "eagle3"], tree)
+    outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == expected
+    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
+    assert not eng.worker.states and eng.worker.allocator.available() == eng.worker.allocator.size
+
+
+def test_repo_and_sglang_layouts_draft_alike(target, drafts):
+    """Same weights in both layouts: sampled outputs (rejection sampling reads the draft's
+    probabilities) and verification counts are identical."""
+    params = [{"temperature": 0.9, "max_new_tokens": 16, "ignore_eos": True, "seed": s} for s in range(3)]
+    batch = prompts(3, seed=3)
+    runs = []
+    for layout in ("repo", "sglang"):
+        outs = engine(target, "EAGLE", drafts[layout]).generate(input_ids=batch, sampling_params=params)
+        runs.append([(o["output_ids"], o["meta_info"]["spec_verify_ct"]) for o in outs])
+    assert runs[0] == runs[1]
+
+
+def test_well_predicting_draft_is_accepted(tmp_path):
+    """A bigram target and a draft that computes its prediction exactly: every draft is accepted."""
+    target = ckpt.make_bigram_target(make_model(tmp_path / "target", "llama"))
+    draft = ckpt.save_eagle_repo(tmp_path / "draft", *ckpt.exact_eagle_tensors(target))
+    batch = prompts(3, seed=5)
+    expected = [o["output_ids"] for o in engine(target).generate(input_ids=batch, sampling_params=GREEDY)]
+    outs = engine(target, "EAGLE", draft).generate(input_ids=batch, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == expected
+    # 32 tokens: 1 from the prefill, then 4 per verification (3 drafts + bonus) for 8 steps (the last cut).
+    assert all(o["meta_info"]["spec_verify_ct"] == 8 for o in outs)
+
+
+def test_retraction_and_early_finish(drafts, target):
+    """Retractions (draft state dropped, prefilled again partly from the radix cache) and a request
+    finished by its prefill (left out of after_prefill) keep the output the target's."""
+    g = torch.Generator().manual_seed(6)
+    batch = [torch.randint(3, 300, (int(torch.randint(10, 20, (1,), generator=g)),), generator=g).tolist()
+             for _ in range(6)]
+    params = [dict(GREEDY, max_new_tokens=1 if i == 1 else 40) for i in range(len(batch))]
+    expected = [o["output_ids"] for o in engine(target).generate(input_ids=batch, sampling_params=params)]
+    eng = engine(target, "EAGLE", drafts["repo"], max_total_tokens=120)
+    assert [o["output_ids"] for o in eng.generate(input_ids=batch, sampling_params=params)] == expected
+    assert eng.scheduler.stats["retractions"] > 0
+    assert not eng.worker.states and eng.worker.allocator.available() == eng.worker.allocator.size
+
+
+def test_token_map_restricts_eagle_drafts(plain, drafts, target, tmp_path, caplog):
+    _, batch, expected = plain
+    hot = list(range(100, 320))
+    torch.save(hot, tmp_path / "freq.pt")
+    eng = engine(target, "EAGLE", drafts["repo"], TREE, speculative_token_map=str(tmp_path / "freq.pt"))
+    drafted = set()
+    draft = eng.worker.draft
+
+    def spy(reqs):
+        trees = draft(reqs)
+        drafted.update(t for tree in trees for t in tree.tokens[1:])
+        return trees
+
+    eng.worker.draft = spy
+    assert [o["output_ids"] for o in eng.generate(input_ids=batch[:2], sampling_params=GREEDY)] == expected[:2]
+    assert drafted and drafted <= set(hot)
+    with caplog.at_level(logging.WARNING):
+        engine(target, "EAGLE3", drafts["eagle3"], speculative_token_map=str(tmp_path / "freq.pt"))
+    assert "ignored with EAGLE3" in caplog.text
