@@ -226,6 +226,13 @@ class ServerArgs:
             steps, topk, tokens = AUTO_TREE_LLAMA if llama else AUTO_TREE_OTHER
             self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = steps, topk, tokens
 
+    def prefill_chunk(self, device: str) -> int:
+        """Most prompt tokens one request feeds per prefill step (the whole budget when not chunking)."""
+        chunk = self.chunked_prefill_size
+        if chunk == -1:
+            chunk = 8192 if device == "cuda" else 512
+        return min(chunk, self.max_prefill_tokens) if chunk > 0 else self.max_prefill_tokens
+
     @property
     def speculative_tree(self) -> Optional[tuple[int, int, int]]:
         if self.speculative_algorithm is None:

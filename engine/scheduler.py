@@ -39,11 +39,8 @@ class Scheduler:
         self.allocator = runner.allocator
         self.table = runner.req_to_token.table
         self.radix: Optional[RadixCache] = None if args.disable_radix_cache else RadixCache(self.allocator)
-        chunk = args.chunked_prefill_size
-        if chunk == -1:
-            chunk = 8192 if runner.device == "cuda" else 512
-        self.prefill_budget = min(chunk, args.max_prefill_tokens) if chunk > 0 else args.max_prefill_tokens
-        self.chunking = chunk > 0
+        self.prefill_budget = args.prefill_chunk(runner.device)
+        self.chunking = args.chunked_prefill_size != 0
         self.max_running = runner.max_requests
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -4,7 +4,6 @@ identical to plain decoding over several tree shapes, full acceptance with the t
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -51,7 +50,8 @@ def engine(target, draft=None, tree=None, **kw) -> Engine:
         steps, topk, tokens = tree
         spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=str(draft),
                     speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)
-    return Engine(model_path=str(target), dtype="float32", max_total_tokens=kw.pop("max_total_tokens", 4096), **spec, **kw)
+    kw.setdefault("max_total_tokens", 4096)
+    return Engine(model_path=str(target), dtype="float32", **spec, **kw)
 
 
 def generate(eng: Engine, ps, params=GREEDY) -> list[list[int]]:

@@ -49,10 +49,14 @@ class Rotary(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self._cached: tuple | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        # Every layer of a forward passes the same positions tensor: gather its cos/sin once.
+        if self._cached is None or self._cached[0] is not positions or self._cached[1].dtype != q.dtype:
+            self._cached = (positions, self.cos[positions].to(q.dtype)[:, None, :],
+                            self.sin[positions].to(q.dtype)[:, None, :])
+        _, cos, sin = self._cached
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

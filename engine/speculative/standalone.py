@@ -68,7 +68,8 @@ class StandaloneWorker(SpeculativeWorker):
                                         max_requests=runner.max_requests * self.topk)
         self.head = (HotVocabHead(self.draft_runner.model.lm_head_weight(), hot, self.vocab_size)
                      if hot is not None else None)
-        self.catch_up_budget = _catch_up_budget(args, runner.device)
+        # As the target's prefill was split, so is the draft's first catch-up over a long prompt.
+        self.catch_up_budget = args.prefill_chunk(runner.device)
         self.states: dict[Request, _DraftState] = {}
 
     # ------------------------------------------------------------------ drafting
@@ -207,12 +208,3 @@ def check_same_vocabulary(args: ServerArgs, target_config, draft_dir, draft_conf
         raise ConfigError(f"{mismatch} and its tokenizer maps ids to other tokens. STANDALONE needs a draft "
                           "with the target's tokenizer; pass such a --speculative-draft-model-path.")
     log.info("draft vocabulary %d vs target %d: same tokenizer, padding differs", draft_size, target_size)
-
-
-def _catch_up_budget(args: ServerArgs, device: str) -> int:
-    """Most tokens per catch-up forward: the scheduler's prefill chunk, so that the draft's first
-    catch-up over a long prompt is split as the target's prefill was."""
-    chunk = args.chunked_prefill_size
-    if chunk == -1:
-        chunk = 8192 if device == "cuda" else 512
-    return min(chunk, args.max_prefill_tokens) if chunk > 0 else args.max_prefill_tokens
