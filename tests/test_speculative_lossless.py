@@ -29,11 +29,13 @@ def draft_setup(algo: str, target_dir, tmp_path, vocab: int = 320) -> dict:
         return {}
     if algo == "STANDALONE":
         return {"speculative_draft_model_path": str(make_model(tmp_path / "draft", "llama", seed=7, vocab=vocab, layers=1))}
-    eagle = pytest.importorskip("tests.eagle_checkpoints")
+    from tests import eagle_checkpoints as eagle
+
     if algo == "EAGLE":
-        return {"speculative_draft_model_path": str(eagle.make_eagle_repo_layout(tmp_path / "eagle", target_dir))}
+        return {"speculative_draft_model_path": str(eagle.save_eagle_repo(tmp_path / "eagle", *eagle.eagle_tensors(target_dir)))}
     if algo == "EAGLE3":
-        return {"speculative_draft_model_path": str(eagle.make_eagle3_layout(tmp_path / "eagle3", target_dir))}
+        path = eagle.save_eagle3(tmp_path / "eagle3", target_dir, draft_vocab=min(200, vocab - 2), aux_layer_ids=[0, 1, 1])
+        return {"speculative_draft_model_path": str(path)}
     raise AssertionError(algo)
 
 
@@ -161,4 +163,5 @@ def test_sampling_matches_target_distribution(algo, sampling, shape, small_targe
         counts[a, b] += 1
     expected = exact_two_token_distribution(small_target, prompt, SamplingParams(**sampling))
     assert chi_square_p(counts, expected) > 0.001
-    assert eng.worker.stats.verify_ct > 0
+    stats = eng.worker.stats
+    assert stats.tokens > 1.2 * stats.verify_ct, "drafts were accepted: the test exercised verification"
