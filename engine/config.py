@@ -203,6 +203,9 @@ class ServerArgs:
         if any(given) and not all(given):
             raise ConfigError("Set --speculative-num-steps, --speculative-eagle-topk and "
                               "--speculative-num-draft-tokens together, or none of them for the auto choice.")
+        if algo == "NGRAM" and self.speculative_sampling == "rejection":
+            raise ConfigError("--speculative-sampling rejection needs draft probabilities; NGRAM drafts are "
+                              "deterministic: use tree (or auto).")
         if all(given):
             self._check_tree(*tree)
 
@@ -213,6 +216,9 @@ class ServerArgs:
         if draft_tokens > steps * topk + 1:
             raise ConfigError(f"--speculative-num-draft-tokens {draft_tokens} is more than the tree can hold: "
                               f"at most steps*topk + 1 = {steps * topk + 1}.")
+        if topk > 1 and self.speculative_sampling == "rejection":
+            raise ConfigError("--speculative-sampling rejection works on chains: set --speculative-eagle-topk 1, "
+                              "or use tree (or auto) for trees.")
         if draft_tokens < 2:
             raise ConfigError("--speculative-num-draft-tokens must be at least 2 (the root and one draft token).")
 
@@ -225,6 +231,7 @@ class ServerArgs:
             llama = model_type in ("llama", "mistral")
             steps, topk, tokens = AUTO_TREE_LLAMA if llama else AUTO_TREE_OTHER
             self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = steps, topk, tokens
+            self._check_tree(steps, topk, tokens)
 
     def prefill_chunk(self, device: str) -> int:
         """Most prompt tokens one request feeds per prefill step (the whole budget when not chunking)."""
