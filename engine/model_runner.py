@@ -50,6 +50,7 @@ class ModelRunner:
     def __init__(self, args: ServerArgs, model_dir, config, *, kv_pool_tokens: Optional[int] = None,
                  max_requests: Optional[int] = None):
         self.args = args
+        self.model_dir = model_dir
         self.device = resolve_device(args.device)
         self.config = config
         self.dtype = resolve_dtype(args.dtype, config, self.device)

@@ -159,3 +159,91 @@ def exact_eagle_tensors(target_dir: Path) -> tuple[dict, dict[str, torch.Tensor]
     tensors["layers.0.self_attn.o_proj.weight"].zero_()
     tensors["layers.0.mlp.down_proj.weight"].zero_()
     return config, tensors
+
+
+# ------------------------------------------------------------------------------------------------
+# Targets carrying their own MTP layer (engine/models/mtp.py), as copies of a tiny target:
+# - MiMo: config architectures ["MiMoForCausalLM"], model_type "mimo", attention_bias true (Qwen2
+#   attention still: q/k/v biases only), num_nextn_predict_layers; weights model.mtp_layers.0.
+#   {token_layernorm, hidden_layernorm, input_proj, input_layernorm, self_attn.{q,k,v,o}_proj (+ q/k/v
+#   biases), post_attention_layernorm, mlp.*, final_layernorm}.
+# - DeepSeek-style nextn on a Llama: num_nextn_predict_layers; weights model.layers.{L}.{enorm, hnorm,
+#   eh_proj, <decoder layer>, shared_head.norm} plus copies of embed_tokens and shared_head.head.
+# Names of (token norm, feature norm, projection, final norm); the projection reads [feature; token]
+# for MiMo and [token; feature] for nextn.
+MTP_NAMES = {"mimo": ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm"),
+              "nextn": ("enorm", "hnorm", "eh_proj", "shared_head.norm")}
+
+
+def mtp_layer_tensors(config: dict, prefix: str, layout: str, seed: int = 0,
+                      exact: bool = False) -> dict[str, torch.Tensor]:
+    """A random MTP layer; `exact`: one that predicts a bigram target (make_bigram_target) exactly: the
+    projection passes the token half through, the decoder layer adds nothing, norms are 1."""
+    gen = torch.Generator().manual_seed(seed)
+    h = config["hidden_size"]
+    token_norm, feature_norm, proj, final_norm = MTP_NAMES[layout]
+    tensors = _attention_mlp(prefix, config, h, gen)
+    for name in ("input_layernorm", token_norm, feature_norm, final_norm):
+        tensors[f"{prefix}.{name}.weight"] = 1 + torch.randn(h, generator=gen) * _STD
+    tensors[f"{prefix}.{proj}.weight"] = torch.randn(h, 2 * h, generator=gen) * _STD
+    if layout == "mimo":
+        for p in "qkv":
+            rows = tensors[f"{prefix}.self_attn.{p}_proj.weight"].shape[0]
+            tensors[f"{prefix}.self_attn.{p}_proj.bias"] = torch.randn(rows, generator=gen) * _STD
+    if exact:
+        halves = [torch.zeros(h, h), torch.eye(h)] if layout == "mimo" else [torch.eye(h), torch.zeros(h, h)]
+        tensors[f"{prefix}.{proj}.weight"] = torch.cat(halves, dim=1)
+        for name, tensor in tensors.items():
+            if name.endswith("norm.weight"):
+                tensor.fill_(1.0)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                tensor.zero_()
+    return tensors
+
+
+def save_mtp_target(path: Path, base_dir: Path, layout: str, seed: int = 0, exact: bool = False) -> Path:
+    """A copy of the tiny target `base_dir` (qwen2 for "mimo", llama for "nextn") with one MTP layer."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    shutil.copytree(base_dir, path)
+    config, weights = _target(path)
+    if layout == "mimo":
+        config.update(architectures=["MiMoForCausalLM"], model_type="mimo", attention_bias=True)
+        prefix = "model.mtp_layers.0"
+    else:
+        prefix = f"model.layers.{config['num_hidden_layers']}"
+        weights[f"{prefix}.embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+        weights[f"{prefix}.shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    config["num_nextn_predict_layers"] = 1
+    weights.update(mtp_layer_tensors(config, prefix, layout, seed, exact))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def save_nextn_export(path: Path, target_dir: Path, mla: bool = False) -> Path:
+    """SGLang's export_deepseek_nextn.py layout of a nextn target's layer: config num_hidden_layers 1, the
+    layer renamed model.layers.0 without its embed_tokens and shared_head.head, in
+    nextn_layer_parameters.safetensors listed by model.safetensors.index.json. `mla`: k/v projections
+    replaced by DeepSeek's MLA ones (kv_a_proj_with_mqa, kv_b_proj)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True)
+    config, weights = _target(target_dir)
+    prefix = f"model.layers.{config['num_hidden_layers']}."
+    layer = {"model.layers.0." + name[len(prefix):]: t for name, t in weights.items()
+             if name.startswith(prefix) and "embed_tokens" not in name and "shared_head.head" not in name}
+    if mla:
+        del layer["model.layers.0.self_attn.k_proj.weight"], layer["model.layers.0.self_attn.v_proj.weight"]
+        layer["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] = torch.zeros(24, config["hidden_size"])
+        layer["model.layers.0.self_attn.kv_b_proj.weight"] = torch.zeros(64, 16)
+    config.update(num_hidden_layers=1, architectures=["LlamaForCausalLMNextN"])
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(layer, str(path / "nextn_layer_parameters.safetensors"), metadata={"format": "pt"})
+    index = {"weight_map": {name: "nextn_layer_parameters.safetensors" for name in layer}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return path

@@ -33,13 +33,15 @@ def draft_setup(algo: str, target_dir, tmp_path, vocab: int = 320) -> dict:
 
     if algo == "EAGLE":
         return {"speculative_draft_model_path": str(eagle.save_eagle_repo(tmp_path / "eagle", *eagle.eagle_tensors(target_dir)))}
+    if algo == "MTP":   # the target itself, with a DeepSeek-style nextn layer added to its checkpoint
+        return {"model_path": str(eagle.save_mtp_target(tmp_path / "mtp", target_dir, "nextn"))}
     if algo == "EAGLE3":
         path = eagle.save_eagle3(tmp_path / "eagle3", target_dir, draft_vocab=min(200, vocab - 2), aux_layer_ids=[0, 1, 1])
         return {"speculative_draft_model_path": str(path)}
     raise AssertionError(algo)
 
 
-ALGOS = ["NGRAM", "STANDALONE", "EAGLE", "EAGLE3"]
+ALGOS = ["NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "MTP"]
 
 
 def _module_for(algo: str) -> str:
@@ -68,10 +70,9 @@ def plain_outputs(target):
 def spec_engine(algo, target, tmp_path, shape, **kw) -> Engine:
     pytest.importorskip(_module_for(algo))
     steps, topk, tokens = shape
-    kw = {"max_total_tokens": 8192, **kw}
-    return Engine(model_path=str(target), dtype="float32", speculative_algorithm=algo,
-                  speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens,
-                  **draft_setup(algo, target, tmp_path), **kw)
+    kw = {"model_path": str(target), "max_total_tokens": 8192, **draft_setup(algo, target, tmp_path), **kw}
+    return Engine(dtype="float32", speculative_algorithm=algo, speculative_num_steps=steps,
+                  speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens, **kw)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -150,9 +151,9 @@ def chi_square_p(counts: torch.Tensor, expected: torch.Tensor) -> float:
 def test_sampling_matches_target_distribution(algo, sampling, shape, small_target, tmp_path):
     pytest.importorskip(_module_for(algo))
     steps, topk, tokens = shape
-    eng = Engine(model_path=str(small_target), dtype="float32", max_total_tokens=32768, max_running_requests=256,
-                 speculative_algorithm=algo, speculative_num_steps=steps, speculative_eagle_topk=topk,
-                 speculative_num_draft_tokens=tokens, **draft_setup(algo, small_target, tmp_path, vocab=VOCAB))
+    kw = {"model_path": str(small_target), **draft_setup(algo, small_target, tmp_path, vocab=VOCAB)}
+    eng = Engine(dtype="float32", max_total_tokens=32768, max_running_requests=256, speculative_algorithm=algo,
+                 speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens, **kw)
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
     params = {**sampling, "max_new_tokens": 2, "ignore_eos": True}
     outs = eng.generate(input_ids=[prompt] * SAMPLES,

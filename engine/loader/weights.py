@@ -6,10 +6,11 @@ load a model should not pay.
 
 from __future__ import annotations
 
+import json
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -18,40 +19,55 @@ from engine.loader.fetch import KNOWN_MODELS
 from engine.loader.source import resolve_model_path, weight_files
 
 
+# Model types transformers lacks, read as the config of the family they extend (extra fields kept).
+_EXTENDED_FAMILIES = {"mimo": "Qwen2Config"}     # Xiaomi MiMo: Qwen2 plus MTP layers
+
+
 def load_config(model_dir: Path, trust_remote_code: bool = False):
     """The model's transformers config (a PretrainedConfig subclass)."""
-    from transformers import AutoConfig
+    import transformers
 
     try:
-        return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+        family = _EXTENDED_FAMILIES.get(_model_type(Path(model_dir)))
+        if family:
+            return getattr(transformers, family).from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+        return transformers.AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     except Exception as e:  # OSError, ValueError (unknown model_type), JSON errors ...
         raise ModelLoadError(
             f"Cannot load {Path(model_dir) / 'config.json'}: {e}. Pass a model directory whose config.json "
             f"names a model type transformers knows (or add --trust-remote-code for custom code).") from e
 
 
-def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor of the checkpoint, named and typed as stored.
+def _model_type(model_dir: Path) -> Optional[str]:
+    try:
+        return json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None         # AutoConfig reports what is wrong
+
+
+def iter_weights(model_dir: Path, select: Optional[Callable[[str], bool]] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor of the checkpoint (or those whose name `select` accepts),
+    named and typed as stored.
 
     One tensor at a time (safetensors are memory-mapped), so the caller can cast and place each
-    without holding a second copy of the model.
+    without holding a second copy of the model; tensors not selected are not read.
     """
     for file in weight_files(Path(model_dir)):
         if file.suffix == ".safetensors":
-            yield from _iter_safetensors(file)
+            yield from _iter_safetensors(file, select)
         else:
             with _reading(file):
                 # mmap avoids reading the file twice; only zip-format checkpoints support it.
                 state = torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
-            yield from state.items()
+            yield from ((name, t) for name, t in state.items() if select is None or select(name))
 
 
-def _iter_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(file: Path, select: Optional[Callable[[str], bool]]) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     with _reading(file):
         handle = safe_open(str(file), framework="pt")
-        names = list(handle.keys())
+        names = [name for name in handle.keys() if select is None or select(name)]
     for name in names:
         with _reading(file):
             tensor = handle.get_tensor(name)

@@ -8,6 +8,7 @@ from engine.models.llama import LlamaForCausalLM
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MiMoForCausalLM": LlamaForCausalLM,          # Qwen2 plus MTP layers, which the target skips
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
 }
@@ -28,4 +29,4 @@ def model_class(config, source: str):
     raise ModelLoadError(
         f"{source}: architecture {', '.join(archs) or config.model_type!r} is not supported. "
         f"Supported: {', '.join(ARCHITECTURES)}. Pass a model of one of these families "
-        "(Llama 2/3/3.1, SmolLM2, Mistral, Qwen2/2.5, Qwen3).")
+        "(Llama 2/3/3.1, SmolLM2, Mistral, Qwen2/2.5, Qwen3, MiMo).")

@@ -160,16 +160,21 @@ def load_eagle_draft(algorithm: str, draft_dir: Path, target: nn.Module, *, max_
         rows, ids = _draft_vocab(tensors, config, vocab, source)
         with torch.device(device):
             model = Eagle3Draft(config, aux, max_positions, fc_bias, qkv_bias, rows)
-    _load(model, tensors, ignored, source)
+    load_draft_weights(model, tensors, ignored, source)
     model.to(dtype)
     model.rotary.float()
     if getattr(model, "lm_head", None) is not None:
         model.head = DraftVocabHead(model.lm_head.weight, torch.arange(rows) if ids is None else ids, vocab)
-    elif hot_ids is not None:
-        model.head = HotVocabHead(target.lm_head_weight(), hot_ids, vocab)
     else:
-        model.head = target.compute_logits
+        model.head = target_head(target, hot_ids)
     return model.eval()
+
+
+def target_head(target: nn.Module, hot_ids: Optional[torch.Tensor]) -> Head:
+    """The target's lm_head, restricted to an FR-Spec token map's rows when one is given."""
+    if hot_ids is None:
+        return target.compute_logits
+    return HotVocabHead(target.lm_head_weight(), hot_ids, target.config.vocab_size)
 
 
 def _strip_prefix(name: str) -> str:
@@ -249,7 +254,8 @@ def _draft_vocab(tensors: dict, config, vocab: int, source: str) -> tuple[Option
     return rows, ids
 
 
-def _load(model: nn.Module, tensors: dict[str, torch.Tensor], ignored: set[str], source: str) -> None:
+def load_draft_weights(model: nn.Module, tensors: dict[str, torch.Tensor], ignored: set[str], source: str) -> None:
+    """Copy named tensors (q/k/v and gate/up fused here) into the draft; every parameter must be given."""
     params = dict(model.named_parameters())
     loaded = set()
     for name, tensor in fuse_weights(tensors.items(), {}):

@@ -72,10 +72,12 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        # Qwen2 has q/k/v biases only; Llama's attention_bias puts one on o_proj too.
-        bias = bool(getattr(config, "attention_bias", False))
+        # Qwen2 (and MiMo, built on it) has q/k/v biases only, whatever attention_bias says (MiMo's
+        # config says true); Llama's attention_bias puts one on o_proj too.
+        qwen2 = config.model_type in ("qwen2", "mimo")
+        bias = bool(getattr(config, "attention_bias", False)) and not qwen2
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, q + 2 * kv, bias=bias or config.model_type == "qwen2")
+        self.qkv_proj = nn.Linear(config.hidden_size, q + 2 * kv, bias=bias or qwen2)
         self.o_proj = nn.Linear(q, config.hidden_size, bias=bias)
         self.split = (q, kv, kv)
         self.qk_norm = config.model_type == "qwen3"
@@ -173,7 +175,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         pending: dict[str, dict[str, torch.Tensor]] = {}
-        for name, tensor in fuse_weights(weights, pending):
+        layers = self.config.num_hidden_layers
+        for name, tensor in fuse_weights(((n, t) for n, t in weights if not is_mtp_weight(n, layers)), pending):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
             if name not in params:
@@ -186,6 +189,16 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def is_mtp_weight(name: str, num_layers: int) -> bool:
+    """Whether `name` belongs to a multi-token-prediction layer: MiMo's `model.mtp_layers.*` or a
+    DeepSeek-style nextn layer stored after the decoder layers (`model.layers.{i}`, i >= num_layers).
+    The target skips them; engine/models/mtp.py loads them as a draft."""
+    if name.startswith("model.mtp_layers."):
+        return True
+    parts = name.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers
 
 
 _FUSED = {  # part name -> (fused name, order of the parts)

@@ -23,7 +23,8 @@ A request whose features are missing or that the draft pool cannot hold drafts
 nothing and decodes plainly; the next verification's features restart its draft context there. So
 does a prefix served from the radix cache: the target computes no features for it, and the draft's
 context starts after it.
-MTP with a draft model runs as EAGLE, as SGLang runs NEXTN.
+MTP runs the same way with a multi-token-prediction layer as the draft (engine/models/mtp.py): the
+target's own, or a separate nextn checkpoint's given as the draft path.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ import torch
 
 from engine.attention import create_backend
 from engine.config import ServerArgs
-from engine.errors import ConfigError
 from engine.forward_batch import build_forward_batch
 from engine.loader import resolve_model_path
 from engine.memory.kv_pool import KVPool, ReqToTokenPool, TokenSlotAllocator
 from engine.model_runner import ForwardItem, ForwardOutput, ModelRunner
 from engine.models.eagle import load_eagle_draft
+from engine.models.mtp import load_mtp_draft
 from engine.request import Request
 from engine.speculative.base import SpeculativeWorker, Verified
 from engine.speculative.draft_tree_search import Frontier, chain_samplers, search_trees
@@ -68,24 +69,25 @@ class EagleWorker(SpeculativeWorker):
     def __init__(self, runner: ModelRunner, eos_ids: Sequence[int], args: ServerArgs):
         super().__init__(runner, eos_ids, args)
         algorithm = args.speculative_algorithm
-        if not args.speculative_draft_model_path:
-            raise ConfigError(f"--speculative-algorithm {algorithm} needs a draft: none of the supported "
-                              "architectures carries MTP layers, so pass --speculative-draft-model-path with "
-                              "an EAGLE draft for this model, or use NGRAM.")
-        layout = "EAGLE3" if algorithm == "EAGLE3" else "EAGLE"   # MTP with a draft runs as EAGLE (SGLang's NEXTN)
-        vocab = runner.config.vocab_size
         hot = None
         if args.speculative_token_map:
-            if layout == "EAGLE3":
+            if algorithm == "EAGLE3":
                 log.warning("--speculative-token-map is ignored with EAGLE3: its draft has its own reduced "
                             "vocabulary (d2t).")
             else:
-                hot = load_token_map(args.speculative_token_map, vocab)
-        draft_dir = resolve_model_path(args.speculative_draft_model_path, args.speculative_draft_model_revision)
+                hot = load_token_map(args.speculative_token_map, runner.config.vocab_size)
         self.target = runner.model
-        self.model = load_eagle_draft(layout, draft_dir, runner.model,
-                                      max_positions=runner.context_len + 64 + self.steps,
-                                      dtype=runner.dtype, device=runner.device, hot_ids=hot)
+        kw = dict(max_positions=runner.context_len + 64 + self.steps, dtype=runner.dtype, device=runner.device,
+                  hot_ids=hot)
+        # Without a draft path (MTP only: the flags require one for EAGLE/EAGLE3) the draft is the target's
+        # own MTP layer; the runner does not keep its directory, so resolve its argument again.
+        own = not args.speculative_draft_model_path
+        draft_dir = (runner.model_dir if own else
+                     resolve_model_path(args.speculative_draft_model_path, args.speculative_draft_model_revision))
+        if algorithm == "MTP":
+            self.model = load_mtp_draft(draft_dir, runner.model, own=own, **kw)
+        else:
+            self.model = load_eagle_draft(algorithm, draft_dir, runner.model, **kw)
         self.capture_hidden = self.model.aux_layers
         attn = self.model.attention
         # Rows: one per running (or chunk-prefilling) request plus topk - 1 scratch rows each while

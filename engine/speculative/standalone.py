@@ -53,7 +53,7 @@ class StandaloneWorker(SpeculativeWorker):
         draft_dir = resolve_model_path(args.speculative_draft_model_path, args.speculative_draft_model_revision)
         config = load_config(draft_dir, args.trust_remote_code)
         self.vocab_size = runner.config.vocab_size
-        check_same_vocabulary(args, runner.config, draft_dir, config)
+        check_same_vocabulary(args, runner.config, runner.model_dir, draft_dir, config)
         hot = (load_token_map(args.speculative_token_map, min(self.vocab_size, config.vocab_size))
                if args.speculative_token_map else None)
         tokens = runner.allocator.size
@@ -184,7 +184,7 @@ def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.cat([logits, logits.new_full((logits.shape[0], extra), float("-inf"))], dim=-1)
 
 
-def check_same_vocabulary(args: ServerArgs, target_config, draft_dir, draft_config) -> None:
+def check_same_vocabulary(args: ServerArgs, target_config, target_dir, draft_dir, draft_config) -> None:
     """A STANDALONE draft must share the target's tokenizer. Vocabulary sizes may differ by padding only:
     both must hold every token of tokenizers that agree."""
     target_size, draft_size = target_config.vocab_size, draft_config.vocab_size
@@ -192,8 +192,7 @@ def check_same_vocabulary(args: ServerArgs, target_config, draft_dir, draft_conf
         return
     mismatch = (f"The draft model's vocabulary ({draft_size} tokens) differs from the target's ({target_size} "
                 "tokens)")
-    target_tok = load_tokenizer(args.tokenizer_path or resolve_model_path(args.model_path, args.revision),
-                                args.trust_remote_code)
+    target_tok = load_tokenizer(args.tokenizer_path or target_dir, args.trust_remote_code)
     try:
         draft_tok = load_tokenizer(draft_dir, args.trust_remote_code)
     except ModelLoadError:

@@ -1,0 +1,160 @@
+"""Offline passes: conversations run in-process on an Engine, stepped from here.
+
+Several decode configurations share one Engine (target weights, KV pool, scheduler): a pass first
+installs its own decode worker (plain, or speculative with its tree shape) and empties the prefix cache,
+so no configuration reuses the prompts another one prefilled. Swapping is safe between passes only, when
+no request is running: a worker holds per-request draft state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from engine.bench import BenchError
+from engine.bench.datasets import Conversation
+from engine.bench.measure import OnTurn, PassResult, SpecCounts, TurnResult
+from engine.config import ServerArgs
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+
+def plain_args(args: ServerArgs) -> ServerArgs:
+    return dataclasses.replace(args, speculative_algorithm=None, speculative_draft_model_path=None,
+                               speculative_num_steps=None, speculative_eagle_topk=None,
+                               speculative_num_draft_tokens=None)
+
+
+def tree_args(args: ServerArgs, tree: tuple[int, int, int]) -> ServerArgs:
+    """`args` with another tree shape (validated: ConfigError for an impossible one)."""
+    steps, topk, tokens = tree
+    return dataclasses.replace(args, speculative_num_steps=steps, speculative_eagle_topk=topk,
+                               speculative_num_draft_tokens=tokens)
+
+
+def make_worker(engine, args: ServerArgs):
+    """A decode worker for `args` on the engine's runner. The engine's current worker is dropped first
+    (a draft model and its KV pool are freed before the next one loads)."""
+    from engine.speculative.factory import create_worker
+    from engine.worker import PlainWorker
+
+    if engine.runner.req_to_token.table.shape[1] < engine.runner.context_len + (args.speculative_num_draft_tokens or 0):
+        raise BenchError("The engine's request table is too narrow for this draft tree; build the engine with "
+                         "the largest --speculative-num-draft-tokens first.")
+    install_worker(engine, PlainWorker(engine.runner, engine.eos_ids), plain_args(args))
+    gc.collect()
+    return create_worker(args, engine.runner, engine.eos_ids)
+
+
+def install_worker(engine, worker, args: ServerArgs) -> None:
+    assert not engine.scheduler.has_work, "decode workers are swapped between passes only"
+    engine.worker = engine.scheduler.worker = worker
+    engine.args = args
+
+
+def flush_prefix_cache(engine) -> None:
+    radix = engine.scheduler.radix
+    if radix is not None:
+        radix.evict(radix.evictable_size())
+
+
+class ChatEncoder:
+    """Messages to prompt token ids: the tokenizer's chat template when it has one, else the turns as text."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.templated = bool(getattr(tokenizer, "chat_template", None))
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        if self.templated:
+            enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+        return self.tokenizer.encode("\n\n".join(m["content"] for m in messages) + "\n\n")
+
+
+def sampling_for(conv: Conversation, turn: int, max_new_tokens: int, temperature: float, seed: int) -> dict:
+    """The same sampling parameters, seed included, for a turn whatever the backend or configuration."""
+    fixed = conv.max_new_tokens is not None
+    return {"max_new_tokens": conv.max_new_tokens if fixed else max_new_tokens, "temperature": temperature,
+            "ignore_eos": fixed, "seed": seed * 1_000_003 + conv.index * 16 + turn}
+
+
+@dataclass
+class _Live:
+    conv: Conversation
+    turn: int
+    messages: list[dict]
+    seen: int = 0
+    last: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+
+
+class OfflineBackend:
+    def __init__(self, engine, name: str, worker, args: ServerArgs, *, concurrency: int, max_new_tokens: int,
+                 temperature: float):
+        self.engine, self.name, self.worker, self.args = engine, name, worker, args
+        self.concurrency = concurrency
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.chat = ChatEncoder(engine.tokenizer)
+
+    def _counts(self) -> Optional[SpecCounts]:
+        stats = getattr(self.worker, "stats", None)
+        return SpecCounts.from_stats(stats) if stats is not None else None
+
+    def run(self, conversations: Sequence[Conversation], on_turn: OnTurn) -> PassResult:
+        engine, sched = self.engine, self.engine.scheduler
+        install_worker(engine, self.worker, self.args)
+        flush_prefix_cache(engine)
+        before = self._counts()
+        pending, live, results = deque(conversations), {}, []
+        decode_steps, decode_time = sched.stats["decode_steps"], 0.0
+
+        def start(conv: Conversation, turn: int, history: list[dict]) -> None:
+            messages = history + [{"role": "user", "content": conv.turns[turn]}]
+            params = sampling_for(conv, turn, self.max_new_tokens, self.temperature, self.args.random_seed)
+            req = engine.make_request(self.chat.encode(messages), SamplingParams.from_dict(params))
+            engine.add_request(req)
+            live[req] = _Live(conv, turn, messages, last=req.arrival)
+
+        t0 = time.perf_counter()
+        while pending or live:
+            while pending and len(live) < self.concurrency:
+                start(pending.popleft(), 0, [])
+            steps = sched.stats["decode_steps"]
+            t = time.perf_counter()
+            touched = engine.step()
+            now = time.perf_counter()
+            if sched.stats["decode_steps"] > steps:
+                decode_time += now - t
+            for req in touched:
+                state = live.get(req)
+                if state is None:
+                    continue
+                if len(req.output_ids) > state.seen:
+                    if state.seen:
+                        state.gaps.append(now - state.last)
+                    state.seen, state.last = len(req.output_ids), now
+                if req.finished:
+                    del live[req]
+                    results.append(self._result(req, state))
+                    on_turn(self.name, results[-1])
+                    if state.turn + 1 < len(state.conv.turns):
+                        start(state.conv, state.turn + 1, state.messages + [{"role": "assistant", "content": req.text}])
+        duration = time.perf_counter() - t0
+        after = self._counts()
+        return PassResult(results, duration, sched.stats["decode_steps"] - decode_steps, decode_time,
+                          after - before if after is not None else None)
+
+    def _result(self, req: Request, state: _Live) -> TurnResult:
+        reason = req.finish_reason
+        if reason is not None and reason.type == "abort":
+            raise BenchError(f"Request {state.conv.id} (turn {state.turn + 1}) was aborted: {reason.message}.")
+        spec = self.args.speculative_algorithm is not None
+        return TurnResult(state.conv.id, state.conv.category, state.turn, len(req.prompt_ids), len(req.output_ids),
+                          None if req.first_token_time is None else req.first_token_time - req.arrival,
+                          req.finish_time - req.arrival, state.gaps, list(req.output_ids),
+                          req.spec_verify_ct if spec else None, req.spec_accepted_tokens if spec else None)

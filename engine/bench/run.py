@@ -1,0 +1,98 @@
+"""`spec bench` end to end: load the prompts, set up the backends (in-process engine or server URLs), run
+them (interleaved with a baseline when asked), and return every figure with the resolved configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional, Protocol
+
+from engine.bench import BenchError
+from engine.bench.datasets import load_conversations
+from engine.bench.measure import run_session
+from engine.bench.options import BenchOptions
+from engine.bench.summary import compare, summarize
+from engine.config import ServerArgs
+
+# With a baseline, each pass runs this many batches' worth of conversations before the other side runs.
+INTERLEAVE_BATCHES = 4
+
+
+class Progress(Protocol):
+    def phase(self, description: str, total: Optional[int] = None) -> None: ...
+
+    def advance(self, description: str, steps: int = 1) -> None: ...
+
+
+class Silent:
+    def phase(self, description: str, total: Optional[int] = None) -> None:
+        pass
+
+    def advance(self, description: str, steps: int = 1) -> None:
+        pass
+
+
+def run_bench(args: ServerArgs, opts: BenchOptions, progress: Optional[Progress] = None) -> dict:
+    opts.check()
+    progress = progress or Silent()
+    conversations = load_conversations(opts.dataset, opts.dataset_path, opts.num_prompts,
+                                       input_len=opts.random_input_len, output_len=opts.random_output_len,
+                                       seed=args.random_seed)
+    compared = opts.compare_baseline or bool(opts.baseline_url)
+    progress.phase("connecting" if opts.url else f"loading {args.model_path}")
+    backends, config = _online(args, opts) if opts.url else _offline(args, opts, compared)
+    progress.phase(backends[0].name, sum(len(c.turns) for c in conversations) * len(backends))
+    session = run_session(backends, conversations, INTERLEAVE_BATCHES * opts.max_concurrency,
+                          lambda name, _turn: progress.advance(name))
+    runs = [session.passes[b.name] for b in backends]
+    result = {"mode": "online" if opts.url else "offline", "label": backends[0].name, **summarize(runs[0]),
+              "baseline": None}
+    if compared:
+        result["baseline"] = summarize(runs[1])
+        result.update(compare(runs[0], runs[1], result, result["baseline"], greedy=opts.temperature == 0))
+    result["config"] = {**config, "bench": dataclasses.asdict(opts)}
+    return result
+
+
+def _offline(args: ServerArgs, opts: BenchOptions, compared: bool):
+    from engine.bench.offline import OfflineBackend, make_worker, plain_args
+    from engine.engine import Engine
+
+    if compared and not args.speculative_algorithm:
+        raise BenchError("--compare-baseline compares speculative decoding with plain decoding: pass "
+                         "--speculative-algorithm (and its draft model) too.")
+    engine = Engine(server_args=dataclasses.replace(args))
+    resolved = dataclasses.replace(engine.args)
+    config = {"server_args": resolved.to_dict(), "model_dir": str(engine.model_dir)}
+    common = {"concurrency": opts.max_concurrency, "max_new_tokens": opts.max_new_tokens,
+              "temperature": opts.temperature}
+    name = "spec" if args.speculative_algorithm else "plain"
+    backends = [OfflineBackend(engine, name, engine.worker, resolved, **common)]
+    if compared:
+        base = plain_args(resolved)
+        backends.append(OfflineBackend(engine, "baseline", make_worker(engine, base), base, **common))
+    return backends, config
+
+
+def _online(args: ServerArgs, opts: BenchOptions):
+    from engine.bench.online import OnlineBackend
+
+    key = args.api_key or os.environ.get("SPEC_API_KEY")
+    common = {"concurrency": opts.max_concurrency, "max_new_tokens": opts.max_new_tokens,
+              "temperature": opts.temperature, "seed": args.random_seed, "api_key": key}
+    main = OnlineBackend(opts.url, "server", **common)
+    backends = [main]
+    config = {"url": main.url, "model": main.model, "server_info": _static_info(main.server_info)}
+    if opts.baseline_url:
+        base = OnlineBackend(opts.baseline_url, "baseline", **common)
+        backends.append(base)
+        config.update(baseline_url=base.url, baseline_server_info=_static_info(base.server_info))
+    if main.server_info.get("speculative_algorithm"):
+        main.name = "spec"
+    return backends, config
+
+
+def _static_info(info: dict) -> dict:
+    """The server's configuration, without its live counters."""
+    keep = {*ServerArgs.__dataclass_fields__, "model_path", "served_model_name"}
+    return {k: v for k, v in info.items() if k in keep}

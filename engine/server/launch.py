@@ -1,0 +1,71 @@
+"""run_server: load the engine, serve it with uvicorn, print one ready line, stop cleanly on SIGTERM/Ctrl-C."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import uvicorn
+
+from engine.config import ServerArgs
+from engine.engine import Engine
+from engine.server.app import create_app
+
+log = logging.getLogger(__name__)
+
+# In-flight requests get this long to finish after SIGTERM/Ctrl-C; then they are aborted.
+GRACEFUL_SHUTDOWN_S = 30
+
+
+def run_server(args: ServerArgs) -> None:
+    """`spec serve`: blocks until SIGTERM or Ctrl-C, then returns once in-flight requests are done."""
+    _setup_logging(args.log_level)
+    log.info("loading %s", args.model_path)
+    engine = Engine(server_args=args)
+    make_server(engine, args).run()
+
+
+def make_server(engine: Engine, args: ServerArgs) -> "Server":
+    config = uvicorn.Config(create_app(engine, args), host=args.host, port=args.port, log_config=None,
+                            # uvicorn's own startup lines give way to ours; its warnings and errors still show
+                            log_level="debug" if args.log_level == "debug" else "warning",
+                            access_log=args.log_level == "debug", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    return Server(config, args)
+
+
+class Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, args: ServerArgs):
+        super().__init__(config)
+        self.args = args
+
+    @property
+    def port(self) -> int:
+        return self.servers[0].sockets[0].getsockname()[1]
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host = self.servers[0].sockets[0].getsockname()[0]
+            url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+            print(f"spec serve: ready at {url} | model {self.config.app.state.serving.model_name} | "
+                  f"speculative: {describe_speculative(self.args)}", flush=True)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # uvicorn re-raises a caught SIGTERM/SIGINT once it has shut down, which would end the process with
+        # status 143 or a KeyboardInterrupt; a requested, clean shutdown should exit 0.
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
+
+def describe_speculative(args: ServerArgs) -> str:
+    if not args.speculative_algorithm:
+        return "off"
+    steps, topk, tokens = args.speculative_tree
+    draft = f", draft {args.speculative_draft_model_path}" if args.speculative_draft_model_path else ""
+    return f"{args.speculative_algorithm} (steps {steps}, topk {topk}, draft tokens {tokens}{draft})"
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

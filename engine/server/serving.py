@@ -1,0 +1,168 @@
+"""Serving: what every generation route shares. Turn a validated body into engine Requests (all checks
+happen here, on the HTTP side, so a bad request is a 400 before it reaches the engine), submit them,
+then wait for them or stream them, aborting whatever is left when the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import json
+import os
+import uuid
+from typing import AsyncIterator, Optional, Sequence, Union
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import StreamingResponse
+
+from engine.config import ServerArgs
+from engine.engine import Engine
+from engine.errors import RequestError
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.server.engine_loop import EngineLoop, Submission, finish_type
+from engine.server.errors import APIError, error_body
+from engine.server.metrics import ServerMetrics
+from engine.server.protocol import APIBody, ChatMessage
+
+
+class Serving:
+    def __init__(self, engine: Engine, args: ServerArgs):
+        self.engine, self.args = engine, args
+        # The engine thread decodes with engine.tokenizer; a copy keeps the two threads off one Rust object.
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.model_name = args.served_model_name or os.path.basename(str(args.model_path).rstrip("/"))
+        self.context_len = engine.runner.context_len
+        self.api_key = args.api_key or os.environ.get("SPEC_API_KEY") or None
+        self.loop = EngineLoop(engine)
+        tree = args.speculative_tree
+        self.metrics = ServerMetrics(lambda: self.loop.snapshot, lambda: self.loop.queued, tree[2] if tree else None)
+        self.loop.on_output = self.metrics.observe
+
+    # ------------------------------------------------------------------ checks and request building
+    def check_body(self, body: APIBody) -> None:
+        """The model name and the parameters this server cannot honour."""
+        model = getattr(body, "model", None)
+        if model is not None and model not in (self.model_name, self.args.model_path):
+            raise APIError(404, f"The model {model!r} does not exist; this server serves {self.model_name!r}.",
+                           param="model", code="model_not_found")
+        name = body.unsupported()
+        if name is not None:
+            raise APIError(400, f"Parameter {name!r} is not supported by this server (got {getattr(body, name)!r}); "
+                                "leave it out.", param=name, code="unsupported_parameter")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """The model's chat template over the messages, with the assistant turn opened."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, f"The model {self.model_name!r} has no chat template; use /v1/completions with "
+                                "a plain prompt.", param="messages")
+        turns = []
+        for i, m in enumerate(messages):
+            content = m.content
+            if isinstance(content, list):
+                kinds = {p.type for p in content} - {"text"}
+                if kinds:
+                    raise APIError(400, f"Message {i} has content of type {sorted(kinds)[0]!r}; this server takes "
+                                        "text only.", param=f"messages.{i}.content", code="unsupported_parameter")
+                content = "".join(p.text or "" for p in content)
+            turns.append({"role": m.role, "content": content or ""} | ({"name": m.name} if m.name else {}))
+        try:
+            text = self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:       # jinja's TemplateError and the template's own raise_exception
+            raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def make_requests(self, prompts: Sequence[Sequence[int]], sampling: Union[dict, list[dict]], *,
+                      default_max_tokens: int, max_tokens_param: str = "max_tokens") -> list[Request]:
+        """Requests for each prompt times `n` (choice k of a seeded request samples with seed + k).
+        `sampling` holds SGLang sampling_params, one dict for all prompts or one per prompt."""
+        if not prompts:
+            raise RequestError("The prompt is empty; pass some text or token ids.")
+        samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        if len(samplings) != len(prompts):
+            raise RequestError(f"Got {len(samplings)} sampling_params for {len(prompts)} prompts.")
+        plan = []
+        for ids, values in zip(prompts, samplings):
+            given = values.get("max_new_tokens") is not None
+            values = {**values, "max_new_tokens": values["max_new_tokens"] if given else default_max_tokens}
+            plan.append((list(ids), given, SamplingParams.from_dict(values)))
+        total = sum(params.n for _, _, params in plan)
+        if total > self.args.max_queued_requests:
+            raise APIError(400, f"This request asks for {total} generations (n x prompts) but the queue holds "
+                                f"{self.args.max_queued_requests} (--max-queued-requests).", param="n")
+        reqs = []
+        base = uuid.uuid4().hex[:16]
+        for ids, given, params in plan:
+            for k in range(params.n):
+                p = dataclasses.replace(params, seed=None if params.seed is None else params.seed + k)
+                reqs.append(self.engine.make_request(ids, p, rid=f"{base}-{len(reqs)}"))
+            self._check_fits(ids, params.max_new_tokens if given else None, max_tokens_param)
+        return reqs
+
+    def _check_fits(self, ids: list[int], max_tokens: Optional[int], param: str) -> None:
+        if max_tokens is not None and len(ids) + max_tokens > self.context_len:
+            raise APIError(400, f"The prompt has {len(ids)} tokens and {param} is {max_tokens}: more than the "
+                                f"context length {self.context_len}. Lower {param}.", param=param,
+                           code="context_length_exceeded")
+        pool = self.engine.runner.allocator.size
+        if len(ids) + 1 > pool:
+            raise APIError(400, f"The prompt has {len(ids)} tokens but the KV cache holds {pool}.",
+                           code="context_length_exceeded")
+
+    # ------------------------------------------------------------------ running requests
+    def submit(self, reqs: Sequence[Request]) -> Submission:
+        if not self.loop.alive:
+            raise APIError(503, "The server is shutting down.", headers={"Retry-After": "5"})
+        if self.loop.queued + len(reqs) > self.args.max_queued_requests:
+            raise APIError(503, f"The server queue is full ({self.loop.queued} requests waiting); retry shortly.",
+                           code="queue_full", headers={"Retry-After": "1"})
+        self.metrics.prompt_tokens.inc(sum(len(r.prompt_ids) for r in reqs))
+        return self.loop.submit(reqs)
+
+    async def wait(self, sub: Submission, http: HTTPRequest) -> Optional[list[dict]]:
+        """Every final output, or None when the client disconnected first (its requests are aborted)."""
+        waiter = asyncio.ensure_future(sub.wait())
+        gone = asyncio.ensure_future(_disconnected(http))
+        try:
+            await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            finished = waiter.done()
+            if not finished:
+                waiter.cancel()
+                self.loop.abort(sub.unfinished())
+        return waiter.result() if finished else None
+
+    def stream(self, sub: Submission, events: AsyncIterator[dict]) -> StreamingResponse:
+        """Server-sent events, then `data: [DONE]`; a client that disconnects aborts what is left."""
+        async def body():
+            try:
+                async for event in events:
+                    yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                self.loop.abort(sub.unfinished())
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def engine_abort(out: dict) -> Optional[APIError]:
+    """An engine-side abort (out of KV cache, internal error) as the error to answer with."""
+    if finish_type(out) != "abort":
+        return None
+    message = out["meta_info"]["finish_reason"].get("message") or "the request was aborted"
+    return APIError(503, f"The request could not be completed: {message}.", code="aborted")
+
+
+def error_event(err: APIError) -> dict:
+    return error_body(err.status, err.message, err.param, err.code)
+
+
+async def _disconnected(http: HTTPRequest) -> None:
+    """Returns once the client has closed the connection (the body has been read already)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass

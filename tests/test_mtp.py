@@ -1,0 +1,217 @@
+"""MTP: a target's own multi-token-prediction layer (MiMo's mtp_layers, a DeepSeek-style nextn layer on a
+Llama) or a separate nextn checkpoint drafts through the EAGLE worker. The target loads as without its
+MTP layer, the draft computes what a plain implementation of the published layer computes, decoding
+stays exactly the target's, and a layer that predicts well is accepted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine import Engine
+from engine.errors import ConfigError, ModelLoadError
+from engine.models.mtp import MtpDraft, load_mtp_draft
+from engine.sampling_params import SamplingParams
+from tests import eagle_checkpoints as ckpt
+from tests.tiny import make_model
+
+GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
+CHAIN = (3, 1, 4)
+TREE = (3, 2, 6)
+BASE_ARCH = {"mimo": "qwen2", "nextn": "llama"}
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 40, (n,), generator=g).tolist()
+    return [torch.randint(3, 300, (k,), generator=g).tolist() for k in lengths]
+
+
+def engine(model_dir, algorithm=None, draft=None, tree=CHAIN, **kw) -> Engine:
+    spec = {}
+    if algorithm:
+        steps, topk, tokens = tree
+        spec = dict(speculative_algorithm=algorithm, speculative_num_steps=steps, speculative_eagle_topk=topk,
+                    speculative_num_draft_tokens=tokens)
+        if draft:
+            spec["speculative_draft_model_path"] = str(draft)
+    return Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=4096, **spec, **kw)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Per layout: (the plain base target, the same target with an MTP layer)."""
+    root = tmp_path_factory.mktemp("mtp")
+    out = {}
+    for layout, arch in BASE_ARCH.items():
+        base = make_model(root / f"{arch}", arch)
+        out[layout] = base, ckpt.save_mtp_target(root / layout, base, layout, seed=3)
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(models):
+    """Greedy outputs of each plain base target for a batch of mixed prompts."""
+    batch = prompts(5)
+    return batch, {layout: [o["output_ids"] for o in engine(base).generate(input_ids=batch, sampling_params=GREEDY)]
+                   for layout, (base, _) in models.items()}
+
+
+# ------------------------------------------------------------------------------------------------ the target
+@pytest.mark.parametrize("layout", ["mimo", "nextn"])
+def test_target_loads_as_without_its_mtp_layer(models, expected, layout):
+    batch, outputs = expected
+    eng = engine(models[layout][1])
+    assert eng.runner.model.num_layers == 2
+    assert [o["output_ids"] for o in eng.generate(input_ids=batch, sampling_params=GREEDY)] == outputs[layout]
+
+
+# ------------------------------------------------------------------------------------------------ the draft's numbers
+class PlainMtp:
+    """The MTP layer computed plainly: features from transformers' target (the plain base), then the
+    published forward, its decoder layer and final norm run as transformers' own one-layer model,
+    attending causally over the whole context from position `start`."""
+
+    def __init__(self, base_dir, mtp_dir, layout: str):
+        from safetensors.torch import load_file
+        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+        self.target = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+        config = AutoConfig.from_pretrained(base_dir)
+        self.eps, self.layout = config.rms_norm_eps, layout
+        prefix = "model.mtp_layers.0." if layout == "mimo" else f"model.layers.{config.num_hidden_layers}."
+        t = {n[len(prefix):]: v for n, v in load_file(mtp_dir / "model.safetensors").items() if n.startswith(prefix)}
+        self.token_norm, self.feature_norm, proj, final_norm = ckpt.MTP_NAMES[layout]
+        self.t, self.proj = t, t[f"{proj}.weight"]
+        config.num_hidden_layers = 1
+        self.block = AutoModel.from_config(config).eval()
+        state = {"norm.weight": t[f"{final_norm}.weight"], "embed_tokens.weight": self.block.embed_tokens.weight}
+        state.update({f"layers.0.{n}": v for n, v in t.items()
+                      if n.startswith(("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"))})
+        self.block.load_state_dict(state, strict=True)
+
+    def _rms(self, x, name):
+        return self.t[f"{name}.weight"] * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+    def features(self, ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.target(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+
+    def run(self, tokens: list[int], feats: torch.Tensor, start: int) -> torch.Tensor:
+        positions = torch.arange(start, start + len(tokens))
+        with torch.no_grad():
+            e = self.target.model.embed_tokens(torch.tensor(tokens))
+            if self.layout == "mimo":       # MiMo's MTP ignores the token at position 0 (as in SGLang)
+                e = e * (positions != 0)[:, None]
+            e, f = self._rms(e, self.token_norm), self._rms(feats, self.feature_norm)
+            x = torch.cat([f, e] if self.layout == "mimo" else [e, f], -1) @ self.proj.T
+            return self.block(inputs_embeds=x[None], position_ids=positions[None]).last_hidden_state[0]
+
+    def path_logits(self, committed: list[int], path: list[int]) -> torch.Tensor:
+        """Logits after the committed tokens (the last one is the root), then after each drafted token of
+        `path`, whose feature is the layer's own output before it."""
+        tokens, feats = committed[1:], self.features(committed[:-1])
+        out = []
+        for i in range(len(path) + 1):
+            h = self.run(tokens, feats, 0)
+            out.append(self.target.lm_head(h[-1]).detach())
+            if i < len(path):
+                tokens, feats = tokens + [path[i]], torch.cat([feats, h[-1:]])
+        return torch.stack(out)
+
+
+@pytest.mark.parametrize("layout", ["mimo", "nextn"])
+def test_draft_matches_plain_implementation(models, layout):
+    """After a chunked prefill and after each verification (catch-up on accepted tokens), the root's
+    draft logits and the greedy chain (the layer fed its own outputs) are the plain computation's."""
+    base, mtp_dir = models[layout]
+    eng = engine(mtp_dir, "MTP", chunked_prefill_size=8)
+    assert isinstance(eng.worker.model, MtpDraft) and eng.worker.capture_hidden == ()
+    plain = PlainMtp(base, mtp_dir, layout)
+    req = eng.make_request(prompts(1, seed=7)[0] + [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], SamplingParams(**GREEDY))
+    eng.add_request(req)
+    while req.kv_len < len(req.prompt_ids):
+        eng.step()
+    for _ in range(3):
+        committed = req.all_ids
+        tree = eng.worker.draft([req])[0]
+        state = eng.worker.states[req]
+        expected = plain.path_logits(committed, tree.tokens[1:])
+        with torch.inference_mode():
+            root = eng.worker.model.logits(state.last[None])[0]
+        torch.testing.assert_close(root, expected[0], atol=1e-4, rtol=1e-4)
+        assert tree.tokens[1:] == expected.argmax(-1).tolist()[:-1]
+        eng.step()
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+@pytest.mark.parametrize("layout,tree", [("mimo", CHAIN), ("mimo", TREE), ("nextn", CHAIN), ("nextn", TREE)])
+def test_greedy_output_is_the_targets(models, expected, layout, tree):
+    batch, outputs = expected
+    eng = engine(models[layout][1], "MTP", tree=tree)
+    outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == outputs[layout]
+    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
+    assert not eng.worker.states and eng.worker.allocator.available() == eng.worker.allocator.size
+
+
+@pytest.mark.parametrize("layout", ["mimo", "nextn"])
+def test_separate_checkpoint_and_nextn_alias(models, expected, tmp_path, layout):
+    """With a draft path the MTP layer comes from there (the plain target has none): a MiMo checkpoint
+    passed as its own draft (SGLang's MiMo usage), or SGLang's exported nextn checkpoint; NEXTN = MTP."""
+    batch, outputs = expected
+    base, mtp_dir = models[layout]
+    draft = mtp_dir if layout == "mimo" else ckpt.save_nextn_export(tmp_path / "export", mtp_dir)
+    eng = engine(base, "NEXTN", draft, TREE)
+    assert eng.args.speculative_algorithm == "MTP" and isinstance(eng.worker.model, MtpDraft)
+    outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == outputs[layout]
+    # The same layer as from the target's own checkpoint: the same drafts, so the same verify counts.
+    own = engine(mtp_dir, "MTP", tree=TREE).generate(input_ids=batch, sampling_params=GREEDY)
+    assert [o["meta_info"]["spec_verify_ct"] for o in outs] == [o["meta_info"]["spec_verify_ct"] for o in own]
+
+
+@pytest.mark.parametrize("layout", ["mimo", "nextn"])
+def test_well_predicting_mtp_layer_is_accepted(tmp_path, layout):
+    """A bigram target and an MTP layer that computes its prediction exactly: every draft is accepted."""
+    base = ckpt.make_bigram_target(make_model(tmp_path / "base", BASE_ARCH[layout]))
+    target = ckpt.save_mtp_target(tmp_path / "target", base, layout, exact=True)
+    batch = prompts(3, seed=5)
+    plain = [o["output_ids"] for o in engine(base).generate(input_ids=batch, sampling_params=GREEDY)]
+    outs = engine(target, "MTP").generate(input_ids=batch, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == plain
+    # 32 tokens: 1 from the prefill, then 4 per verification (3 drafts + bonus) for 8 steps (the last cut).
+    assert all(o["meta_info"]["spec_verify_ct"] == 8 for o in outs)
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+def test_target_without_mtp_layers_is_refused(models):
+    base = models["mimo"][0]
+    with pytest.raises(ConfigError, match="has no MTP layers.*--speculative-draft-model-path.*EAGLE.*NGRAM"):
+        engine(base, "MTP")
+
+
+def test_bad_mtp_checkpoints_are_refused(models, tmp_path):
+    base, mtp_dir = models["nextn"]
+    target = engine(base).runner.model
+
+    def load(path, own=False):
+        return load_mtp_draft(path, target, own=own, max_positions=600, dtype=torch.float32, device="cpu")
+
+    with pytest.raises(ConfigError, match="MLA attention.*kv_a_proj_with_mqa"):
+        load(ckpt.save_nextn_export(tmp_path / "mla", mtp_dir, mla=True))
+    with pytest.raises(ConfigError, match="has no MTP layers.*--speculative-algorithm EAGLE"):
+        load(ckpt.save_eagle_repo(tmp_path / "eagle", *ckpt.eagle_tensors(base)))
+    with pytest.raises(ConfigError, match="hidden_size 32 but the target has 64"):
+        load(make_model(tmp_path / "narrow", "llama", hidden=32))
+    # A config that declares MTP layers whose weights were dropped.
+    declared = tmp_path / "declared"
+    declared.mkdir()
+    for f in base.iterdir():
+        (declared / f.name).write_bytes(f.read_bytes())
+    config = json.loads((base / "config.json").read_text())
+    (declared / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    with pytest.raises(ModelLoadError, match="declares 1 MTP layer.*holds no MTP weights"):
+        load(declared)
