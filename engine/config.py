@@ -87,7 +87,8 @@ class ServerArgs:
         "Speculative decoding algorithm (NEXTN is accepted as MTP). Unset: plain decoding.",
         flags=("--speculative-algorithm", "--algo"), group="Speculative decoding", choices=SPECULATIVE_ALGORITHMS))
     speculative_draft_model_path: Optional[str] = field(default=None, metadata=opt(
-        "Draft model for EAGLE, EAGLE3 and STANDALONE (same forms as --model).",
+        "Draft model for EAGLE, EAGLE3 and STANDALONE (same forms as --model); for MTP, an optional "
+        "nextn checkpoint (default: the target's own MTP layers).",
         flags=("--speculative-draft-model-path", "--draft"), group="Speculative decoding"))
     speculative_draft_model_revision: Optional[str] = field(default=None, metadata=opt(
         "Hub revision of the draft model.", group="Speculative decoding"))

@@ -13,6 +13,7 @@ engine steps its scheduler in the calling thread; the HTTP server drives the sam
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -59,6 +60,12 @@ class Engine:
             params.max_new_tokens = context - len(prompt_ids)
         seed = params.seed if params.seed is not None else self.args.random_seed * 1_000_003 + next(self._seeds)
         return Request(rid or f"req-{next(self._ids)}", list(prompt_ids), params, seed)
+
+    def make_choices(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None) -> list[Request]:
+        """One Request per choice (`params.n`); choice k of a seeded request samples with seed + k."""
+        return [self.make_request(prompt_ids, dataclasses.replace(params, seed=None if params.seed is None else params.seed + k),
+                                  rid=None if rid is None else f"{rid}-{k}")
+                for k in range(params.n)]
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add(req)
@@ -112,11 +119,7 @@ class Engine:
             param_list = [SamplingParams.from_dict(p) for p in sampling_params]
         else:
             param_list = [SamplingParams.from_dict(sampling_params) for _ in id_lists]
-        requests = []
-        for ids, params in zip(id_lists, param_list):
-            for i in range(params.n):
-                p = SamplingParams(**{**params.__dict__, "seed": None if params.seed is None else params.seed + i})
-                requests.append(self.make_request(ids, p))
+        requests = [req for ids, params in zip(id_lists, param_list) for req in self.make_choices(ids, params)]
         return requests, single and param_list[0].n == 1
 
     def output_dict(self, req: Request, index: Optional[int] = None) -> dict:

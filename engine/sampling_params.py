@@ -82,7 +82,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Below 1e-5 (SGLang's cut-off) dividing logits by the temperature overflows float32.
+        return self.temperature < 1e-5 or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

@@ -52,6 +52,9 @@ class Scheduler:
     def add(self, req: Request) -> None:
         req.detok = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens,
                                            req.params.spaces_between_special_tokens)
+        if req.params.max_new_tokens == 0:
+            self._finish(req, FinishReason("length"))
+            return
         if len(req.prompt_ids) + 1 > self.allocator.size:
             self._abort_oom(req)
             return

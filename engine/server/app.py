@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.config import ServerArgs
 from engine.engine import Engine
@@ -60,9 +61,7 @@ def _router(serving: Serving) -> APIRouter:
 
     @router.get("/v1/models/{model:path}")
     async def retrieve_model(model: str):
-        if model not in (serving.model_name, serving.args.model_path):
-            raise APIError(404, f"The model {model!r} does not exist; this server serves {serving.model_name!r}.",
-                           param="model", code="model_not_found")
+        serving.check_model(model)
         return model_card()
 
     @router.get("/health")
@@ -86,8 +85,6 @@ def _router(serving: Serving) -> APIRouter:
 
     @router.get("/metrics")
     async def metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST
-
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @router.get("/get_server_info")

@@ -21,6 +21,9 @@ from engine.request import Request
 
 log = logging.getLogger(__name__)
 
+# The abort message of requests failed by a bug in the engine (answered 500, other aborts 503).
+INTERNAL_ERROR = "internal error while generating; see the server log"
+
 
 def finish_type(out: Optional[dict]) -> Optional[str]:
     """"stop", "length" or "abort" once the request finished, else None."""
@@ -70,9 +73,9 @@ OutputHook = Callable[[Optional[dict], Optional[float], dict, float], None]
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, on_output: Optional[OutputHook] = None):
+    def __init__(self, engine: Engine):
         self.engine = engine
-        self.on_output = on_output
+        self.on_output: Optional[OutputHook] = None
         self.queued = 0                    # accepted requests without output yet (event loop side)
         self.snapshot = self._snapshot()   # replaced by the loop thread after every step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -117,15 +120,14 @@ class EngineLoop:
     # ------------------------------------------------------------------ loop thread
     def _run(self) -> None:
         while not (self._stopping and not self._subs):
-            self._take_commands()
             try:
-                touched = self.engine.step()      # also flushes requests aborted or refused meanwhile
-            except Exception:                     # a bug: fail what is in flight, keep serving
-                log.exception("engine step failed; aborting the requests in flight")
-                touched = []
+                self._take_commands()
+                touched = self.engine.step()        # also flushes requests aborted or refused meanwhile
+                self.snapshot = self._snapshot()    # first: whoever sees an output sees figures as fresh
+                self._deliver(touched)
+            except Exception:                       # a bug: fail what is in flight, keep serving
+                log.exception("the engine loop failed; aborting the requests in flight")
                 self._fail_in_flight()
-            self._deliver(touched)
-            self.snapshot = self._snapshot()
 
     def _take_commands(self) -> None:
         """Apply every queued command; when the engine has nothing to do, sleep until one arrives."""
@@ -174,7 +176,7 @@ class EngineLoop:
     def _fail_in_flight(self) -> None:
         batch = []
         for rid, (sub, index) in self._subs.items():
-            reason = {"type": "abort", "message": "internal server error while generating; see the server log"}
+            reason = {"type": "abort", "message": INTERNAL_ERROR}
             batch.append((sub, index, {"text": "", "output_ids": [], "meta_info": {
                 "id": rid, "prompt_tokens": 0, "completion_tokens": 0, "spec_verify_ct": 0, "cached_tokens": 0,
                 "finish_reason": reason, "e2e_latency": 0.0, "ttft": None}}))

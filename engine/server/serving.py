@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import json
 import os
 import uuid
@@ -21,7 +20,7 @@ from engine.engine import Engine
 from engine.errors import RequestError
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.server.engine_loop import EngineLoop, Submission, finish_type
+from engine.server.engine_loop import INTERNAL_ERROR, EngineLoop, Submission, finish_type
 from engine.server.errors import APIError, error_body
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import APIBody, ChatMessage
@@ -38,15 +37,18 @@ class Serving:
         self.loop = EngineLoop(engine)
         tree = args.speculative_tree
         self.metrics = ServerMetrics(lambda: self.loop.snapshot, lambda: self.loop.queued, tree[2] if tree else None)
-        self.loop.on_output = self.metrics.observe
+        self.loop.on_output = self.metrics.observe     # the metrics read the loop's figures, and it feeds them
 
     # ------------------------------------------------------------------ checks and request building
-    def check_body(self, body: APIBody) -> None:
-        """The model name and the parameters this server cannot honour."""
-        model = getattr(body, "model", None)
+    def check_model(self, model: Optional[str]) -> None:
+        """No name means the served model; any other name than its own (or its --model-path) is a 404."""
         if model is not None and model not in (self.model_name, self.args.model_path):
             raise APIError(404, f"The model {model!r} does not exist; this server serves {self.model_name!r}.",
                            param="model", code="model_not_found")
+
+    def check_body(self, body: APIBody) -> None:
+        """The model name and the parameters this server cannot honour."""
+        self.check_model(getattr(body, "model", None))
         name = body.unsupported()
         if name is not None:
             raise APIError(400, f"Parameter {name!r} is not supported by this server (got {getattr(body, name)!r}); "
@@ -96,10 +98,8 @@ class Serving:
                                 f"{self.args.max_queued_requests} (--max-queued-requests).", param="n")
         reqs = []
         base = uuid.uuid4().hex[:16]
-        for ids, given, params in plan:
-            for k in range(params.n):
-                p = dataclasses.replace(params, seed=None if params.seed is None else params.seed + k)
-                reqs.append(self.engine.make_request(ids, p, rid=f"{base}-{len(reqs)}"))
+        for i, (ids, given, params) in enumerate(plan):
+            reqs += self.engine.make_choices(ids, params, rid=f"{base}-{i}")
             self._check_fits(ids, params.max_new_tokens if given else None, max_tokens_param)
         return reqs
 
@@ -151,11 +151,13 @@ class Serving:
 
 
 def engine_abort(out: dict) -> Optional[APIError]:
-    """An engine-side abort (out of KV cache, internal error) as the error to answer with."""
+    """An engine-side abort as the error to answer with: 503 when the KV cache cannot hold the request
+    even alone, 500 when the engine failed."""
     if finish_type(out) != "abort":
         return None
     message = out["meta_info"]["finish_reason"].get("message") or "the request was aborted"
-    return APIError(503, f"The request could not be completed: {message}.", code="aborted")
+    return APIError(500 if message == INTERNAL_ERROR else 503, f"The request could not be completed: {message}.",
+                    code="aborted")
 
 
 def error_event(err: APIError) -> dict:

@@ -1,0 +1,52 @@
+"""The target's own answers to a prompt set: what a draft sees when it serves (on-policy data).
+
+Prompts go through the chat template exactly as `spec bench` sends them; requests run in groups through
+the Engine's scheduler (batched decoding, chunked prefill), each group handed back when all its
+requests have finished, so callers can write results as they come and resume after an interruption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence
+
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Generation:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+
+
+def chat_prompt_ids(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
+    from engine.bench.offline import ChatEncoder
+
+    encoder = ChatEncoder(tokenizer)
+    return [encoder.encode([{"role": "user", "content": p}]) for p in prompts]
+
+
+def generate_groups(engine, prompt_ids: Sequence[Sequence[int]], gen: Generation, group: int, *,
+                    first_index: int = 0, on_token: Optional[Callable[[int], None]] = None) -> Iterator[list[Request]]:
+    """Finished requests, `group` prompts at a time, in prompt order. Prompt i (counting from
+    `first_index`, so that a resumed run samples as the first one did) gets seed gen.seed + i."""
+    context = engine.runner.context_len
+    for start in range(0, len(prompt_ids), group):
+        reqs = []
+        for i, ids in enumerate(prompt_ids[start:start + group], first_index + start):
+            ids = list(ids)[-(context - 2):]         # a prompt longer than the context keeps its end
+            params = SamplingParams.from_dict({"max_new_tokens": gen.max_new_tokens, "temperature": gen.temperature,
+                                               "seed": gen.seed + i})
+            reqs.append(engine.make_request(ids, params))
+        for req in reqs:
+            engine.add_request(req)
+        produced = 0
+        while not all(r.finished for r in reqs):
+            engine.step()
+            now = sum(len(r.output_ids) for r in reqs)
+            if on_token and now > produced:
+                on_token(now - produced)
+            produced = now
+        yield reqs

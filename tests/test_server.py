@@ -1,0 +1,430 @@
+"""The HTTP server, live: real uvicorn on 127.0.0.1 over a tiny random model, driven by the official
+openai client, raw HTTP and schemathesis. Outputs must equal the offline engine's; disconnects must
+free KV; bad input must get a 4xx with an OpenAI error body; SIGTERM must exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine import Engine, ServerArgs
+from engine.server import make_server
+from tests.tiny import make_model
+
+KEY = "test-key"
+IGNORE_EOS = {"ignore_eos": True}
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sse(response: httpx.Response):
+    """The data fields of a streaming response. Keep the iterator while reading: httpx closes the
+    connection when it is dropped, which the server rightly takes as a client disconnect."""
+    return (line[6:] for line in response.iter_lines() if line.startswith("data: "))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _args(model_dir, **flags) -> ServerArgs:
+    return ServerArgs(model_path=str(model_dir), dtype="float32", max_total_tokens=8192, served_model_name="tiny",
+                      port=_free_port(), **flags)
+
+
+class Live:
+    def __init__(self, url: str, headers: dict, engine: Engine):
+        self.url, self.headers, self.engine = url, headers, engine
+
+    def http(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=kw.pop("timeout", 60), **kw)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample as 'name{label="value"}' -> value (parsing it is part of the check)."""
+        with self.http() as c:
+            text = c.get("/metrics").text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def wait_metrics(self, ok, timeout: float = 10.0) -> dict[str, float]:
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if ok(m) or time.monotonic() > deadline:
+                return m
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def serve(args: ServerArgs, headers: dict | None = None):
+    engine = Engine(server_args=args)
+    server = make_server(engine, args)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield Live(f"http://127.0.0.1:{server.port}", headers or {}, engine)
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("server_model"), "llama")
+
+
+@pytest.fixture(scope="module")
+def live(model_dir):
+    """The main server; its API key comes from SPEC_API_KEY, as `spec serve` users may set it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPEC_API_KEY", KEY)
+        args = _args(model_dir, max_queued_requests=64)
+        with serve(args, {"Authorization": f"Bearer {KEY}"}) as s:
+            mp.delenv("SPEC_API_KEY")
+            yield s
+
+
+@pytest.fixture(scope="module")
+def small(model_dir):
+    """A short context and a short queue keep every fuzzed request cheap."""
+    with serve(_args(model_dir, max_queued_requests=4, context_length=64)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    return Engine(server_args=_args(model_dir))
+
+
+def sync_client(live: Live) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key=KEY, max_retries=0)
+
+
+def async_client(live: Live) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key=KEY, max_retries=0)
+
+
+# ---------------------------------------------------------------------------------------- OpenAI API
+def test_chat_sync_matches_offline_engine(live, offline):
+    client = sync_client(live)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"}]
+    prompt = offline.tokenizer.encode(offline.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    expected = offline.generate(input_ids=prompt, sampling_params={"max_new_tokens": 12, "temperature": 0, **IGNORE_EOS})
+
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                       extra_body=IGNORE_EOS)
+    assert r.object == "chat.completion" and r.model == "tiny"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == expected["text"]
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), 12)
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body=IGNORE_EOS))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected["text"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_completions_async_stop_seed_and_n(live, offline):
+    async def run():
+        client = async_client(live)
+        prompt = "one two three"
+        full = await client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
+                                               extra_body=IGNORE_EOS)
+        text = full.choices[0].text
+        assert text == offline.generate(prompt, {"max_new_tokens": 20, "temperature": 0, **IGNORE_EOS})["text"]
+        assert full.object == "text_completion" and full.usage.completion_tokens == 20
+
+        stop = text[len(text) // 2:len(text) // 2 + 2]
+        cut = await client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stop=[stop],
+                                              extra_body=IGNORE_EOS)
+        assert cut.choices[0].text == text[:text.index(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
+                                                 stream=True, extra_body=IGNORE_EOS)
+        assert "".join([c.choices[0].text async for c in stream]) == text
+
+        sampled = [await client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=1.0,
+                                                   top_p=0.9, n=2, seed=7) for _ in range(2)]
+        assert [c.text for c in sampled[0].choices] == [c.text for c in sampled[1].choices]
+        assert [c.index for c in sampled[0].choices] == [0, 1]
+
+    asyncio.run(run())
+
+
+def test_concurrent_streams_match_offline_engine(live, offline):
+    prompts = [f"{w} {i}" for i, w in enumerate(["The quick", "def add", "one two", "Caf\u00e9", "seven"] * 7)][:32]
+    expected = [o["text"] for o in offline.generate(prompts, {"max_new_tokens": 24, "temperature": 0, **IGNORE_EOS})]
+
+    async def one(client, prompt):
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                                 stream=True, extra_body=IGNORE_EOS)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def run():
+        client = async_client(live)
+        return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    assert asyncio.run(run()) == expected
+
+
+# ---------------------------------------------------------------------------------------- SGLang API and info
+def test_generate_native_shapes(live, offline):
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with live.http() as c:
+        one = c.post("/generate", json={"text": "The quick", "sampling_params": params}).json()
+        ref = offline.generate("The quick", params)
+        assert one["text"] == ref["text"] and one["output_ids"] == ref["output_ids"]
+        meta = one["meta_info"]
+        assert (meta["prompt_tokens"], meta["completion_tokens"], meta["spec_verify_ct"]) == (len(offline.tokenizer.encode("The quick")), 8, 0)
+        assert meta["finish_reason"] == {"type": "length"}
+
+        batch = c.post("/generate", json={"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": params}).json()
+        assert [b["index"] for b in batch] == [0, 1] and all(len(b["output_ids"]) == 8 for b in batch)
+
+        with c.stream("POST", "/generate", json={"text": "The quick", "sampling_params": params, "stream": True}) as r:
+            events = list(sse(r))
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        assert last["text"] == one["text"] and last["output_ids"] == one["output_ids"]
+        assert all(json.loads(a)["text"] == json.loads(b)["text"][:len(json.loads(a)["text"])]   # cumulative
+                   for a, b in zip(events[:-2], events[1:-1]))
+
+
+def test_models_health_and_server_info(live):
+    with live.http() as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny"]
+        assert c.get("/v1/models/tiny").json()["max_model_len"] == 512
+        assert c.get("/health").status_code == 200
+        assert c.get("/health_generate").status_code == 200
+        info = c.get("/get_server_info").json()
+    assert info["served_model_name"] == "tiny" and info["context_length"] == 512
+    assert info["max_total_num_tokens"] == 8192
+    assert "avg_spec_accept_length" in info
+
+
+def test_metrics_parse_and_count(live):
+    with live.http() as c:
+        c.post("/v1/completions", json={"prompt": "one", "max_tokens": 5, "temperature": 0, **IGNORE_EOS})
+    m = live.metrics()
+    assert m['spec_requests_total{finish_reason="length"}'] >= 1
+    assert m["spec_generation_tokens_total"] >= 5 and m["spec_prompt_tokens_total"] >= 1
+    assert m["spec_time_to_first_token_seconds_count"] >= 1 and m["spec_inter_token_latency_seconds_count"] >= 4
+    assert m["spec_kv_cache_total_tokens"] == 8192 and m["spec_num_queue_reqs"] == 0
+
+
+# ---------------------------------------------------------------------------------------- disconnects
+def _idle(m) -> bool:
+    return m["spec_num_running_reqs"] == 0 and m["spec_kv_cache_used_tokens"] == 0
+
+
+def test_stream_disconnect_aborts_and_frees_kv(live):
+    aborted = live.metrics().get('spec_requests_total{finish_reason="abort"}', 0)
+    body = {"prompt": "one two", "max_tokens": 480, "temperature": 0, "stream": True, **IGNORE_EOS}
+    with live.http() as c, c.stream("POST", "/v1/completions", json=body) as r:
+        events = sse(r)
+        next(events)
+        assert live.metrics()["spec_kv_cache_used_tokens"] > 0          # the request holds KV now
+    m = live.wait_metrics(lambda m: _idle(m) and m.get('spec_requests_total{finish_reason="abort"}', 0) > aborted)
+    assert m['spec_requests_total{finish_reason="abort"}'] == aborted + 1 and _idle(m)
+
+
+def test_non_stream_disconnect_aborts(live):
+    aborted = live.metrics().get('spec_requests_total{finish_reason="abort"}', 0)
+    # 8 x 500 tokens take seconds; the client gives up after half a second and closes the connection.
+    with live.http(timeout=httpx.Timeout(10, read=0.5)) as c, pytest.raises(httpx.ReadTimeout):
+        c.post("/v1/completions", json={"prompt": "one two", "max_tokens": 500, "n": 8, "temperature": 0,
+                                        **IGNORE_EOS})
+    m = live.wait_metrics(lambda m: _idle(m) and m.get('spec_requests_total{finish_reason="abort"}', 0) > aborted)
+    assert m['spec_requests_total{finish_reason="abort"}'] == aborted + 8 and _idle(m)
+
+
+# ---------------------------------------------------------------------------------------- client mistakes
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+BAD = [
+    ("/v1/chat/completions", b'{"messages": [', 400, None),
+    ("/v1/chat/completions", b'[1, 2]', 400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}, 404, "model"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 10_000}, 400, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 10 ** 12}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "word " * 600}]}, 400, None),
+    ("/v1/chat/completions", {**CHAT, "temperature": -0.5}, 400, None),
+    ("/v1/chat/completions", {**CHAT, "top_p": 0}, 400, None),
+    ("/v1/chat/completions", {**CHAT, "top_p": 1.5}, 400, None),
+    ("/v1/chat/completions", {**CHAT, "presence_penalty": 3}, 400, None),
+    ("/v1/chat/completions", {**CHAT, "n": 0}, 400, None),
+    ("/v1/chat/completions", {**CHAT, "n": 1000}, 400, "n"),
+    ("/v1/chat/completions", {**CHAT, "stop": [""]}, 400, None),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "frobnicate": 1}, 400, "frobnicate"),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages.0.content"),
+    ("/v1/completions", {"prompt": ""}, 400, None),
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, None),
+    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "seed": "x"}, 400, "seed"),
+    ("/generate", {"text": "hi", "input_ids": [1, 2]}, 400, "text"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -3}}, 400, None),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 600}}, 400, "max_new_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"nucleus": 0.5}}, 400, None),
+    ("/generate", {"input_ids": [-1]}, 400, None),
+    ("/v1/nothing-here", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{i}:{b[0]}" for i, b in enumerate(BAD)])
+def test_bad_input_gets_4xx_with_openai_error(live, path, body, status, param):
+    with live.http() as c:
+        r = c.post(path, content=body, headers={"content-type": "application/json"}) if isinstance(body, bytes) \
+            else c.post(path, json=body)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        if param is not None:
+            assert err["param"] == param
+        assert c.get("/health").status_code == 200
+
+
+def test_api_key_required(live):
+    with httpx.Client(base_url=live.url) as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert c.get("/v1/models").status_code == 401
+        assert c.get("/health").status_code == 200            # liveness probes need no key
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{live.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_full_queue_answers_503_with_retry_after(model_dir):
+    long = {"prompt": "one", "max_tokens": 480, "temperature": 0, "stream": True, **IGNORE_EOS}
+    with serve(_args(model_dir, max_running_requests=1, max_queued_requests=2)) as small, small.http() as c, \
+            contextlib.ExitStack() as streams:
+        first = sse(streams.enter_context(c.stream("POST", "/v1/completions", json=long)))
+        next(first)                                     # it runs: no longer queued
+        for _ in range(2):        # one runs at a time: these two wait behind it and fill the queue
+            streams.enter_context(c.stream("POST", "/v1/completions", json=long))
+        assert small.metrics()["spec_num_queue_reqs"] == 2
+        r = c.post("/v1/completions", json={"prompt": "one", "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "queue_full"
+
+
+def test_engine_failure_fails_requests_not_the_server(small, monkeypatch):
+    step, failures = small.engine.step, iter([RuntimeError("injected bug")])
+
+    def broken_once():
+        exc = next(failures, None)
+        if exc is not None:
+            raise exc
+        return step()
+
+    monkeypatch.setattr(small.engine, "step", broken_once)
+    with small.http() as c:
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 500 and "internal error" in r.json()["error"]["message"]
+        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}).status_code == 200
+        assert c.get("/health").status_code == 200
+    assert _idle(small.metrics())
+
+
+def test_schemathesis_finds_no_5xx(small):
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    schema = schemathesis.openapi.from_url(f"{small.url}/openapi.json")
+    modes = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
+    session = pytest.importorskip("requests").Session()
+    deadline = time.monotonic() + 20
+
+    @settings(max_examples=150, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(case=st.one_of(*(schema.as_strategy(generation_mode=m) for m in modes)))
+    def check(case):
+        if time.monotonic() > deadline:
+            return
+        response = case.call(session=session, timeout=30)
+        assert response.status_code < 500, f"{case.method} {case.path} {case.body!r}: {response.text}"
+
+    check()
+    with small.http() as c:
+        assert c.get("/health_generate").status_code == 200
+
+
+# ---------------------------------------------------------------------------------------- speculative metrics
+def test_ngram_metrics_report_accept_length(model_dir):
+    pytest.importorskip("engine.speculative.ngram")
+    args = _args(model_dir, speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_eagle_topk=1,
+                 speculative_num_draft_tokens=5)
+    with serve(args) as s, s.http() as c:
+        prompt = "one two three four five six seven eight nine ten " * 4
+        outs = [c.post("/generate", json={"text": prompt, "sampling_params": {
+            "max_new_tokens": 48, "temperature": 0, "ignore_eos": True}}).json() for _ in range(2)]
+        info = c.get("/get_server_info").json()
+        m = s.metrics()
+    verify = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
+    assert verify > 0 and m["spec_verify_steps_total"] == info["spec_verify_ct"] >= verify
+    assert m["spec_accept_length_count"] > 0 and m["spec_accept_length_sum"] >= m["spec_accept_length_count"]
+    assert m["spec_accept_length_avg"] == pytest.approx(info["avg_spec_accept_length"]) and m["spec_accept_length_avg"] >= 1.0
+    assert [m[f'spec_accept_rate_by_position{{position="{d}"}}'] for d in range(1, 5)] == \
+        pytest.approx(info["spec_accept_by_position"])
+
+
+# ---------------------------------------------------------------------------------------- process lifecycle
+def test_sigterm_finishes_in_flight_and_exits_zero(model_dir):
+    port = _free_port()
+    code = ("from engine import ServerArgs; from engine.server import run_server; "
+            f"run_server(ServerArgs(model_path={str(model_dir)!r}, dtype='float32', max_total_tokens=4096, "
+            f"port={port}, num_threads=1, log_level='warning'))")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        ready = proc.stdout.readline()
+        assert ready.startswith(f"spec serve: ready at http://127.0.0.1:{port}") and "speculative: off" in ready, \
+            ready + proc.stderr.read()
+        body = {"prompt": "one two", "max_tokens": 200, "temperature": 0, "stream": True, **IGNORE_EOS}
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c, \
+                c.stream("POST", "/v1/completions", json=body) as r:
+            events = sse(r)
+            next(events)
+            proc.send_signal(signal.SIGTERM)
+            rest = list(events)
+        assert rest[-1] == "[DONE]"
+        assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"     # finished, not cut off
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+        proc.wait()
