@@ -11,32 +11,19 @@ import types
 import pytest
 import torch
 
-from engine import Engine
 from engine.errors import ConfigError, ModelLoadError
 from engine.models.eagle import Eagle3Draft, EagleDraft, eagle3_aux_layers, load_eagle_draft
 from engine.sampling_params import SamplingParams
 from tests import eagle_checkpoints as ckpt
-from tests.tiny import make_model
+from tests.tiny import make_model, random_prompts, tiny_engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
 CHAIN = (3, 1, 4)
 TREE = (3, 2, 6)
 
 
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(2, 40, (n,), generator=g).tolist()
-    return [torch.randint(3, 300, (k,), generator=g).tolist() for k in lengths]
-
-
-def engine(model_dir, algorithm=None, draft=None, tree=CHAIN, **kw) -> Engine:
-    spec = {}
-    if algorithm:
-        steps, topk, tokens = tree
-        spec = dict(speculative_algorithm=algorithm, speculative_draft_model_path=str(draft),
-                    speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)
-    return Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=kw.pop("max_total_tokens", 4096),
-                  **spec, **kw)
+prompts = random_prompts
+engine = tiny_engine
 
 
 @pytest.fixture(scope="module")

@@ -71,3 +71,24 @@ def reference_greedy(model_dir: Path, prompt_ids: list[int], n: int) -> list[int
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt_ids):]
+
+
+def random_prompts(n: int, seed: int = 0, lo: int = 2, hi: int = 40) -> list[list[int]]:
+    """n prompts of random ids (3..299, clear of the special tokens) and random lengths in [lo, hi)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(3, 300, (k,), generator=g).tolist() for k in lengths]
+
+
+def tiny_engine(model_dir, algorithm=None, draft=None, tree=(3, 1, 4), **kw):
+    """An fp32 Engine on a tiny model, speculative when `algorithm` is given (tree = steps, topk, tokens)."""
+    from engine import Engine
+
+    spec = {}
+    if algorithm:
+        steps, topk, tokens = tree
+        spec = dict(speculative_algorithm=algorithm, speculative_num_steps=steps, speculative_eagle_topk=topk,
+                    speculative_num_draft_tokens=tokens)
+        if draft:
+            spec["speculative_draft_model_path"] = str(draft)
+    return Engine(model_path=str(model_dir), dtype="float32", **{"max_total_tokens": 4096, **spec, **kw})
