@@ -220,6 +220,9 @@ class ServerArgs:
         if topk > 1 and self.speculative_sampling == "rejection":
             raise ConfigError("--speculative-sampling rejection works on chains: set --speculative-eagle-topk 1, "
                               "or use tree (or auto) for trees.")
+        if steps > 32 or draft_tokens > 256:
+            raise ConfigError(f"A tree of depth {steps} and {draft_tokens} tokens is far past any useful size "
+                              "(at most 32 steps and 256 draft tokens); typical trees are 3-8 steps, 4-64 tokens.")
         if draft_tokens < 2:
             raise ConfigError("--speculative-num-draft-tokens must be at least 2 (the root and one draft token).")
 
