@@ -29,10 +29,6 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(USAGE_ERROR)
 
 
-def not_available(command: str) -> NoReturn:
-    fail(f"`{command}` is not available yet in this version of spec.")
-
-
 def reports_user_errors(func: F) -> F:
     """Turn a SpecError raised by the command (or while building its ServerArgs) into `error: ...`, exit 2."""
 

@@ -17,7 +17,11 @@ from typer import rich_utils
 from engine.config import ServerArgs
 from spec_cli import __version__
 from spec_cli.args import server_args_options
-from spec_cli.errors import fail, not_available, reports_user_errors
+from spec_cli.bench_cmd import bench
+from spec_cli.convert_cmd import HELP as CONVERT_HELP
+from spec_cli.convert_cmd import convert_app
+from spec_cli.errors import fail, reports_user_errors
+from spec_cli.tune_cmd import tune
 
 app = typer.Typer(
     name="spec",
@@ -26,18 +30,13 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_show_locals=False,
 )
-convert_app = typer.Typer(no_args_is_help=True, rich_markup_mode="rich",
-                          context_settings={"help_option_names": ["-h", "--help"]})
-app.add_typer(convert_app, name="convert", help=(
-    "Prepare speculative decoding inputs: FR-Spec token maps and EAGLE / EAGLE-3 draft checkpoints."))
+app.add_typer(convert_app, name="convert", help=CONVERT_HELP)
 
 _stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 # Rich lays help out 80 columns wide when stdout is not a terminal, which cuts long flag names such as
 # --speculative-num-draft-tokens,--draft-tokens; piped help (`spec serve --help | grep`) gets room for them.
 if rich_utils.MAX_WIDTH is None and "COLUMNS" not in os.environ and not (sys.stdout and sys.stdout.isatty()):
     rich_utils.MAX_WIDTH = 160
-# Commands whose body comes later take any arguments, so they answer "not available yet", not "no such option".
-_LATER = {"context_settings": {"allow_extra_args": True, "ignore_unknown_options": True}}
 
 
 def _print_version(value: bool) -> None:
@@ -71,62 +70,13 @@ def serve(args: ServerArgs) -> None:
       spec serve --model M --draft D --algo EAGLE3
       spec serve --config tuned.yaml --port 8000
     """
-    try:
-        from engine.server import run_server
-    except ModuleNotFoundError as exc:
-        if exc.name != "engine.server":
-            raise
-        fail("The HTTP server (engine.server) is not available yet in this version of spec; "
-             "use the Python API meanwhile: from engine import Engine.")
+    from engine.server import run_server
+
     run_server(args)
 
 
-@app.command(**_LATER)
-@reports_user_errors
-def bench() -> None:
-    """Benchmark throughput and accept length on MT-Bench prompts.
-
-    Runs offline in-process (same flags as [bold]spec serve[/bold]) or against a running server, with and without speculative decoding, and reports output tokens/s, mean accept length and the speedup over plain decoding.
-
-    [bold]Examples[/bold]
-      spec bench --model smollm2-135m --algo NGRAM
-    """
-    not_available("spec bench")
-
-
-@app.command(**_LATER)
-@reports_user_errors
-def tune() -> None:
-    """Search speculative tree settings (--steps, --topk, --draft-tokens) for the best speed.
-
-    Benchmarks each candidate on a few prompts and prints a table; --save FILE writes the best settings as a config file for [bold]spec serve --config FILE[/bold].
-
-    [bold]Example[/bold]
-      spec tune --model M --draft D --algo EAGLE3 --save tuned.yaml
-    """
-    not_available("spec tune")
-
-
-@convert_app.command("token-map", **_LATER)
-@reports_user_errors
-def convert_token_map() -> None:
-    """Build an FR-Spec token map: the most frequent token ids of a corpus, for --speculative-token-map.
-
-    [bold]Example[/bold]
-      spec convert token-map --model M --top 32768 --out token_map.pt
-    """
-    not_available("spec convert token-map")
-
-
-@convert_app.command("draft", **_LATER)
-@reports_user_errors
-def convert_draft() -> None:
-    """Convert an EAGLE or EAGLE-3 draft checkpoint into a directory --draft can load.
-
-    [bold]Example[/bold]
-      spec convert draft --algo EAGLE3 --input path/to/eagle3-ckpt --out drafts/eagle3
-    """
-    not_available("spec convert draft")
+app.command()(bench)
+app.command()(tune)
 
 
 def _complete_model_names(incomplete: str) -> list[str]:

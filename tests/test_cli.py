@@ -88,12 +88,6 @@ def test_other_commands_have_help(args):
     assert len(result.output.strip()) > 100
 
 
-@pytest.mark.parametrize("args", [["bench", "--model", "x"], ["tune"], ["convert", "token-map"],
-                                  ["convert", "draft"]])
-def test_later_commands_say_not_available(args):
-    assert_user_error(run(*args), "not available yet")
-
-
 # --- flags generated from ServerArgs --------------------------------------------------------------
 
 def test_every_server_args_field_is_a_flag_in_its_panel():
@@ -146,11 +140,6 @@ def test_bad_combination_is_one_line_before_anything_loads(served):
     line = assert_user_error(run("serve", "--algo", "EAGLE"), "--speculative-algorithm EAGLE", "--draft")
     assert "draft model" in line
     assert not served
-
-
-def test_missing_server_module_is_reported(monkeypatch):
-    monkeypatch.setitem(sys.modules, "engine.server", None)  # import engine.server now fails
-    assert_user_error(run("serve"), "not available yet")
 
 
 # --- --config -------------------------------------------------------------------------------------

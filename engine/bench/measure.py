@@ -10,7 +10,9 @@ slows both alike and the ratio stays honest.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
+from functools import reduce
 from typing import Callable, Optional, Protocol, Sequence
 
 from engine.bench.datasets import Conversation
@@ -86,6 +88,14 @@ class PassResult:
     decode_steps: int = 0                    # offline only: decode steps run, and the seconds they took
     decode_time: float = 0.0
     spec: Optional[SpecCounts] = None        # acceptance during this pass (None: no speculation or unknown)
+
+
+def merge(passes: Sequence[PassResult]) -> PassResult:
+    """Passes taken together, as one pass over all their conversations."""
+    specs = [p.spec for p in passes if p.spec is not None]
+    return PassResult([t for p in passes for t in p.turns], sum(p.duration for p in passes),
+                      sum(p.decode_steps for p in passes), sum(p.decode_time for p in passes),
+                      reduce(operator.add, specs) if specs else None)
 
 
 OnTurn = Callable[[str, TurnResult], None]

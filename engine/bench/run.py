@@ -13,6 +13,7 @@ from engine.bench.measure import run_session
 from engine.bench.options import BenchOptions
 from engine.bench.summary import compare, summarize
 from engine.config import ServerArgs
+from engine.sampling_params import SamplingParams
 
 # With a baseline, each pass runs this many batches' worth of conversations before the other side runs.
 INTERLEAVE_BATCHES = 4
@@ -49,7 +50,8 @@ def run_bench(args: ServerArgs, opts: BenchOptions, progress: Optional[Progress]
               "baseline": None}
     if compared:
         result["baseline"] = summarize(runs[1])
-        result.update(compare(runs[0], runs[1], result, result["baseline"], greedy=opts.temperature == 0))
+        greedy = SamplingParams(temperature=opts.temperature).greedy
+        result.update(compare(runs[0], runs[1], result, result["baseline"], greedy=greedy))
     result["config"] = {**config, "bench": dataclasses.asdict(opts)}
     return result
 

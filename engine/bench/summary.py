@@ -3,12 +3,11 @@ and the comparison of a run with its baseline (speedup, differing outputs)."""
 
 from __future__ import annotations
 
-from functools import reduce
 from typing import Optional, Sequence
 
 import numpy as np
 
-from engine.bench.measure import PassResult, SpecCounts, TurnResult
+from engine.bench.measure import PassResult, TurnResult, merge
 
 PERCENTILES = (50, 90, 99)
 
@@ -20,17 +19,10 @@ def distribution(values: Sequence[float]) -> Optional[dict]:
     return {"mean": float(arr.mean()), **{f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}}
 
 
-def total_spec(passes: Sequence[PassResult]) -> Optional[SpecCounts]:
-    counts = [p.spec for p in passes if p.spec is not None]
-    return reduce(lambda a, b: a + b, counts) if counts else None
-
-
 def summarize(passes: Sequence[PassResult]) -> dict:
-    turns = [t for p in passes for t in p.turns]
-    duration = sum(p.duration for p in passes)
+    run = merge(passes)
+    turns, duration, steps, spec = run.turns, run.duration, run.decode_steps, run.spec
     tokens = sum(t.completion_tokens for t in turns)
-    steps = sum(p.decode_steps for p in passes)
-    spec = total_spec(passes)
     return {
         "num_requests": len(turns),
         "num_conversations": len({t.conversation for t in turns}),
@@ -44,7 +36,7 @@ def summarize(passes: Sequence[PassResult]) -> dict:
         "accept_length_histogram": spec.histogram if spec else None,
         "spec_verify_ct": round(spec.verify_ct) if spec else None,
         "decode_steps": steps or None,
-        "step_time_ms": 1000 * sum(p.decode_time for p in passes) / steps if steps else None,
+        "step_time_ms": 1000 * run.decode_time / steps if steps else None,
         "ttft_s": distribution([t.ttft for t in turns if t.ttft is not None]),
         "itl_s": distribution([g for t in turns for g in t.gaps]),
         "e2e_latency_s": distribution([t.e2e for t in turns]),

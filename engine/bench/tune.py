@@ -10,10 +10,14 @@ no-speculation baseline runs every round and never drops out: each speedup is me
 the same prompts. With K candidates that is ceil(log2 K) rounds, fewer when the prompts cannot fill
 them with at least one batch in the first (then each cut keeps a smaller share, so that about two
 candidates reach the last round); the finalists run on about --num-prompts prompts, a candidate cut
-after the first round on a 1/(2^rounds - 1) share of them. Rounds alternate their order so that a
-machine slowing down meanwhile does not favour whoever ran first.
---time-budget is checked between evaluations (shared evenly by the batch sizes still to search); when
-it runs out, the last round's candidates are ranked on the rounds they all completed.
+after the first round on a 1/(2^rounds - 1) share of them.
+
+A round is interleaved: its prompts are split into up to INTERLEAVE_CHUNKS chunks (a batch at least),
+and every candidate runs chunk 1, then every candidate chunk 2, in reversed order on every other chunk.
+So each candidate's time is spread over the whole round, and a machine getting busier or quieter
+meanwhile slows or speeds all alike instead of favouring whoever ran last. --time-budget is checked
+between chunks (shared evenly by the batch sizes still to search): all candidates of a round always
+have run the same prompts, and when time runs out they are ranked on what they ran so far.
 """
 
 from __future__ import annotations
@@ -28,15 +32,15 @@ from typing import Any, Callable, Optional, Sequence
 
 from engine.bench import BenchError
 from engine.bench.datasets import Conversation, load_conversations
-from engine.bench.measure import PassResult, warm_up
+from engine.bench.measure import PassResult, merge, warm_up
 from engine.bench.options import TuneOptions
 from engine.bench.run import Progress, Silent
-from engine.bench.summary import total_spec
 from engine.config import ServerArgs
 from engine.errors import ConfigError
 
 Tree = tuple[int, int, int]
 BASELINE = "baseline"
+INTERLEAVE_CHUNKS = 4
 
 
 def label(tree: Optional[Tree]) -> str:
@@ -66,10 +70,9 @@ def search_space(args: ServerArgs, steps: Sequence[int], topks: Sequence[int],
 # ------------------------------------------------------------------ the search, independent of the engine
 @dataclass
 class Halving:
-    records: dict[Optional[Tree], list[PassResult]]    # each candidate's evaluations, one per round it ran
+    records: dict[Optional[Tree], list[PassResult]]    # per candidate, one merged pass per round it ran
     dropped: dict[Tree, int] = field(default_factory=dict)   # candidate -> round after which it was dropped
     finalists: list[Optional[Tree]] = field(default_factory=list)
-    compared_rounds: int = 0                           # rounds every finalist completed: the ranking's basis
     best: Optional[Tree] = None                        # None: the baseline
     out_of_time: bool = False
 
@@ -85,6 +88,7 @@ class Plan:
     rounds: int
     first: int
     eta: float
+    batch_size: int = 1
 
     @classmethod
     def make(cls, candidates: int, prompts: int, batch_size: int) -> "Plan":
@@ -93,16 +97,23 @@ class Plan:
         first = max(batch_size, prompts // (2 ** rounds - 1))
         # Prune fast enough that about two candidates reach the last round.
         eta = max(2.0, (candidates / 2) ** (1 / (rounds - 1))) if rounds > 1 else 2.0
-        return cls(rounds, first, eta)
+        return cls(rounds, first, eta, batch_size)
 
     def keep(self, n: int) -> int:
         return max(1, math.ceil(n / self.eta))
 
+    def chunks(self, part: Sequence[Conversation]) -> list[list[Conversation]]:
+        size = max(self.batch_size, math.ceil(len(part) / INTERLEAVE_CHUNKS))
+        return [list(part[i:i + size]) for i in range(0, len(part), size)]
+
+    def round_prompts(self, r: int) -> int:
+        return self.first * 2 ** r
+
     def evaluations(self, candidates: int) -> int:
-        """Evaluations the search runs without a time limit, the baseline's included."""
+        """Evaluations (one candidate on one chunk) without a time limit, the baseline's included."""
         total = 0
-        for _ in range(self.rounds):
-            total += candidates + 1
+        for r in range(self.rounds):
+            total += (candidates + 1) * len(self.chunks(range(self.round_prompts(r))))
             candidates = self.keep(candidates)
         return total
 
@@ -113,26 +124,31 @@ def successive_halving(trees: Sequence[Tree], prompts: Sequence[Conversation], p
     """`evaluate(tree or None for the baseline, prompts, round)`; see the module docstring."""
     result = Halving({None: [], **{t: [] for t in trees}})
     survivors = list(trees)
-    offset = 0
+    offset = flips = 0
     for r in range(plan.rounds):
-        size = plan.first * 2 ** r
+        size = plan.round_prompts(r)
         part = [prompts[(offset + i) % len(prompts)] for i in range(size)]
         offset += size
         order = [None, *survivors]
-        for cand in (order if r % 2 == 0 else order[::-1]):
-            if clock() >= deadline:
+        ran: dict[Optional[Tree], list[PassResult]] = {c: [] for c in order}
+        for j, chunk in enumerate(plan.chunks(part)):
+            if (r or j) and clock() >= deadline:     # the first chunk always runs: something to rank
                 result.out_of_time = True
                 break
-            result.records[cand].append(evaluate(cand, part, r))
+            for cand in (order if flips % 2 == 0 else order[::-1]):
+                ran[cand].append(evaluate(cand, chunk, r))
+            flips += 1
+        for cand, passes in ran.items():
+            if passes:
+                result.records[cand].append(merge(passes))
         if result.out_of_time:
             break
         if r < plan.rounds - 1:
             ranked = sorted(survivors, key=lambda t: tokens_per_s(result.records[t]), reverse=True)
             survivors = ranked[:plan.keep(len(ranked))]
             result.dropped.update({t: r for t in ranked[len(survivors):]})
-    result.finalists = [c for c in (None, *survivors) if result.records[c]]
-    result.compared_rounds = min(len(result.records[c]) for c in result.finalists)
-    result.best = max(result.finalists, key=lambda c: tokens_per_s(result.records[c][:result.compared_rounds]))
+    result.finalists = [None, *survivors]
+    result.best = max(result.finalists, key=lambda c: tokens_per_s(result.records[c]))
     return result
 
 
@@ -141,31 +157,27 @@ def describe(halving: Halving) -> list[dict]:
     base = halving.records[None]
     rows = []
     for cand, passes in halving.records.items():
-        n = min(len(passes), len(base))
-        spec = total_spec(passes)
-        steps = sum(p.decode_steps for p in passes)
+        run = merge(passes)
         if cand == halving.best:
             status = "best"
         elif cand is None:
             status = BASELINE
-        elif not passes:
-            status = "not run (time)"
         elif cand in halving.dropped:
             status = f"cut (round {halving.dropped[cand] + 1})"
         else:
             status = "finalist"
-        base_tps = tokens_per_s(base[:n])
+        base_tps = tokens_per_s(base[:len(passes)])
         rows.append({
             "label": label(cand), "tree": list(cand) if cand else None, "status": status, "rounds": len(passes),
-            "prompts": sum(len({t.conversation for t in p.turns}) for p in passes),
-            "completion_tokens": sum(t.completion_tokens for p in passes for t in p.turns),
-            "duration_s": sum(p.duration for p in passes),
-            "output_tokens_per_s": tokens_per_s(passes) if passes else None,
-            "accept_length": spec.accept_length if spec else None,
-            "step_time_ms": 1000 * sum(p.decode_time for p in passes) / steps if steps else None,
-            "speedup": tokens_per_s(passes[:n]) / base_tps if n and base_tps > 0 else None,
+            "prompts": sum(t.turn == 0 for t in run.turns),
+            "completion_tokens": sum(t.completion_tokens for t in run.turns),
+            "duration_s": run.duration,
+            "output_tokens_per_s": tokens_per_s(passes),
+            "accept_length": run.spec.accept_length if run.spec else None,
+            "step_time_ms": 1000 * run.decode_time / run.decode_steps if run.decode_steps else None,
+            "speedup": tokens_per_s(passes) / base_tps if base_tps > 0 else None,
         })
-    rows.sort(key=lambda r: (-r["rounds"], -(r["output_tokens_per_s"] or 0)))
+    rows.sort(key=lambda r: (-r["rounds"], -r["output_tokens_per_s"]))
     return rows
 
 
@@ -265,8 +277,7 @@ def run_tune(args: ServerArgs, opts: TuneOptions, progress: Optional[Progress] =
         best = next(r for r in rows if r["status"] == "best")
         config = serve_config(args, halving.best, bs)
         result["batch_sizes"][str(bs)] = {"results": rows, "best": best, "config": config,
-                                          "command": serve_command(config), "rounds": plans[bs].rounds,
-                                          "compared_rounds": halving.compared_rounds}
+                                          "command": serve_command(config), "rounds": plans[bs].rounds}
         result["out_of_time"] |= halving.out_of_time
     result["duration_s"] = time.monotonic() - start
     result["full_grid_prompt_runs"] = (len(trees) + 1) * len(prompts) * len(batch_sizes)
