@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from engine.bench.datasets import Conversation
-from engine.bench.measure import PassResult, TurnResult
+from engine.bench.measure import PassResult, TurnResult, interleave_chunks
 from engine.bench.tune import Plan, describe, search_space, serve_command, serve_config, successive_halving
 from engine.config import ServerArgs
 from spec_cli.main import app
@@ -39,7 +39,8 @@ def test_search_space_skips_impossible_trees():
 def test_plan_fits_the_prompts():
     plan = Plan.make(8, 16, 1)
     assert plan == Plan(3, 2, 2.0, 1)                                # 2 + 4 + 8 prompts, 8 -> 4 -> 2
-    assert [len(plan.chunks(range(n))) for n in (2, 4, 8)] == [2, 4, 4]
+    assert [len(interleave_chunks(range(n), 1)) for n in (2, 4, 8)] == [2, 4, 4]
+    assert [len(c) for c in interleave_chunks(range(10), 4)] == [4, 4, 2]     # a full batch at least
     assert plan.evaluations(8) == 9 * 2 + 5 * 4 + 3 * 4
     plan = Plan.make(20, 16, 4)                                     # room for two rounds with a full batch
     assert (plan.rounds, plan.first) == (2, 5) and plan.keep(20) == 2

@@ -3,13 +3,15 @@
 A backend (offline.OfflineBackend, online.OnlineBackend) runs a list of conversations to the end and
 returns a PassResult; `counters()` reads its cumulative acceptance counters, so the acceptance over any
 span is a difference. `run_session` runs the conversations through every backend; with a baseline, in
-chunks and in alternating order (A B, B A, ...), so that a machine getting busier or quieter meanwhile
-slows both alike and the ratio stays honest.
+up to INTERLEAVE_CHUNKS chunks and in alternating order (A B, B A, ...), so that a machine getting
+busier or quieter meanwhile slows both alike and the ratio stays honest. `spec tune` interleaves its
+candidates the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from dataclasses import dataclass, field
 from functools import reduce
@@ -114,6 +116,15 @@ class Session:
 
 
 WARMUP_TOKENS = 16
+# Interleaved runs split the work into this many chunks at most: enough for A B B A A B B A to cancel a
+# steady drift, few enough that each chunk keeps a full batch for most of its time.
+INTERLEAVE_CHUNKS = 4
+
+
+def interleave_chunks(items: Sequence, batch_size: int) -> list[list]:
+    """Up to INTERLEAVE_CHUNKS consecutive chunks of at least one batch each."""
+    size = max(batch_size, math.ceil(len(items) / INTERLEAVE_CHUNKS))
+    return [list(items[i:i + size]) for i in range(0, len(items), size)]
 
 
 def warm_up(backend: Backend, conversation: Conversation) -> None:
@@ -122,7 +133,7 @@ def warm_up(backend: Backend, conversation: Conversation) -> None:
     backend.run([short], lambda *_: None)
 
 
-def run_session(backends: Sequence[Backend], conversations: Sequence[Conversation], chunk: int,
+def run_session(backends: Sequence[Backend], conversations: Sequence[Conversation], batch_size: int,
                 on_turn: OnTurn) -> Session:
     """Each backend runs every conversation (after a warm-up). One backend: one pass. Several: chunk by
     chunk, each chunk through every backend, the order reversed on every other chunk."""
@@ -132,7 +143,7 @@ def run_session(backends: Sequence[Backend], conversations: Sequence[Conversatio
     if len(backends) == 1:
         chunks = [list(conversations)]
     else:
-        chunks = [list(conversations[i:i + chunk]) for i in range(0, len(conversations), chunk)]
+        chunks = interleave_chunks(conversations, batch_size)
     for i, part in enumerate(chunks):
         for backend in (backends if i % 2 == 0 else list(reversed(backends))):
             session.passes[backend.name].append(backend.run(part, on_turn))

@@ -15,10 +15,6 @@ from engine.bench.summary import compare, summarize
 from engine.config import ServerArgs
 from engine.sampling_params import SamplingParams
 
-# With a baseline, each pass runs this many batches' worth of conversations before the other side runs.
-INTERLEAVE_BATCHES = 4
-
-
 class Progress(Protocol):
     def phase(self, description: str, total: Optional[int] = None) -> None: ...
 
@@ -43,7 +39,7 @@ def run_bench(args: ServerArgs, opts: BenchOptions, progress: Optional[Progress]
     progress.phase("connecting" if opts.url else f"loading {args.model_path}")
     backends, config = _online(args, opts) if opts.url else _offline(args, opts, compared)
     progress.phase(backends[0].name, sum(len(c.turns) for c in conversations) * len(backends))
-    session = run_session(backends, conversations, INTERLEAVE_BATCHES * opts.max_concurrency,
+    session = run_session(backends, conversations, opts.max_concurrency,
                           lambda name, _turn: progress.advance(name))
     runs = [session.passes[b.name] for b in backends]
     result = {"mode": "online" if opts.url else "offline", "label": backends[0].name, **summarize(runs[0]),

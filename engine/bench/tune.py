@@ -12,7 +12,7 @@ them with at least one batch in the first (then each cut keeps a smaller share, 
 candidates reach the last round); the finalists run on about --num-prompts prompts, a candidate cut
 after the first round on a 1/(2^rounds - 1) share of them.
 
-A round is interleaved: its prompts are split into up to INTERLEAVE_CHUNKS chunks (a batch at least),
+A round is interleaved: its prompts are split into up to 4 chunks (a batch at least, see measure.py),
 and every candidate runs chunk 1, then every candidate chunk 2, in reversed order on every other chunk.
 So each candidate's time is spread over the whole round, and a machine getting busier or quieter
 meanwhile slows or speeds all alike instead of favouring whoever ran last. --time-budget is checked
@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from engine.bench import BenchError
 from engine.bench.datasets import Conversation, load_conversations
-from engine.bench.measure import PassResult, merge, warm_up
+from engine.bench.measure import PassResult, interleave_chunks, merge, warm_up
 from engine.bench.options import TuneOptions
 from engine.bench.run import Progress, Silent
 from engine.config import ServerArgs
@@ -40,7 +40,6 @@ from engine.errors import ConfigError
 
 Tree = tuple[int, int, int]
 BASELINE = "baseline"
-INTERLEAVE_CHUNKS = 4
 
 
 def label(tree: Optional[Tree]) -> str:
@@ -102,10 +101,6 @@ class Plan:
     def keep(self, n: int) -> int:
         return max(1, math.ceil(n / self.eta))
 
-    def chunks(self, part: Sequence[Conversation]) -> list[list[Conversation]]:
-        size = max(self.batch_size, math.ceil(len(part) / INTERLEAVE_CHUNKS))
-        return [list(part[i:i + size]) for i in range(0, len(part), size)]
-
     def round_prompts(self, r: int) -> int:
         return self.first * 2 ** r
 
@@ -113,7 +108,7 @@ class Plan:
         """Evaluations (one candidate on one chunk) without a time limit, the baseline's included."""
         total = 0
         for r in range(self.rounds):
-            total += (candidates + 1) * len(self.chunks(range(self.round_prompts(r))))
+            total += (candidates + 1) * len(interleave_chunks(range(self.round_prompts(r)), self.batch_size))
             candidates = self.keep(candidates)
         return total
 
@@ -131,7 +126,7 @@ def successive_halving(trees: Sequence[Tree], prompts: Sequence[Conversation], p
         offset += size
         order = [None, *survivors]
         ran: dict[Optional[Tree], list[PassResult]] = {c: [] for c in order}
-        for j, chunk in enumerate(plan.chunks(part)):
+        for j, chunk in enumerate(interleave_chunks(part, plan.batch_size)):
             if (r or j) and clock() >= deadline:     # the first chunk always runs: something to rank
                 result.out_of_time = True
                 break
