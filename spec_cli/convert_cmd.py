@@ -63,7 +63,7 @@ def token_map(
     num_prompts: NumPrompts = None,
     max_new_tokens: MaxNew = 256,
     temperature: Temperature = 0.0,
-    gen_batch: GenBatch = 32,
+    gen_batch: GenBatch = 64,
     device: Device = "auto",
     dtype: Dtype = "auto",
     threads: Threads = None,
@@ -94,7 +94,7 @@ def token_map(
 
         prompts = load_prompts(sources, num_prompts)
         engine = Engine(model_path=model, dtype=dtype, device=device, disable_radix_cache=True,
-                        max_running_requests=gen_batch, max_total_tokens=gen_batch * (max_new_tokens + 1024))
+                        max_running_requests=gen_batch, max_total_tokens=gen_batch * (max_new_tokens + 512))
         model_dir, config, tokenizer, eos = engine.model_dir, engine.model_config, engine.tokenizer, engine.eos_ids
         with _Bar(f"generating answers to {len(prompts)} prompts (tokens)") as bar:
             counts = generation_counts(engine, prompts, Generation(max_new_tokens, temperature), gen_batch,
@@ -156,7 +156,8 @@ def draft(
     result = read_draft(source, algorithm)
     embedding = None
     if result.embedding is not None:
-        embedding = next((t for _, t in iter_weights(target_dir, select=lambda n: n == "model.embed_tokens.weight")), None)
+        name = "model.embed_tokens.weight"
+        embedding = next((t for _, t in iter_weights(target_dir, select=lambda n: n == name)), None)
     if token_map is not None:
         apply_token_map(result, load_token_map(token_map, target_config.vocab_size).tolist(), target_config.vocab_size)
     checks = validate(result, target_config, embedding)
@@ -196,7 +197,7 @@ def train_eagle3(
                                              help="Prompts answered by the target for training data.")] = 1024,
     max_new_tokens: MaxNew = 256,
     temperature: Temperature = 0.0,
-    gen_batch: GenBatch = 32,
+    gen_batch: GenBatch = 64,
     data_dir: Annotated[Optional[Path], typer.Option(
         "--data-dir", metavar="DIR", show_default=False, rich_help_panel=GEN,
         help="Where the generated data lives (default OUTPUT/data); reused when it matches.")] = None,
@@ -204,15 +205,16 @@ def train_eagle3(
                                              help="Tokens in the head's own vocabulary (d2t/t2d).")] = 8192,
     ttt_steps: Annotated[int, typer.Option("--ttt-steps", min=1, rich_help_panel=TRAIN,
                                            help="Draft steps unrolled in training (training-time test).")] = 4,
-    epochs: Annotated[float, typer.Option("--epochs", min=0.01, rich_help_panel=TRAIN,
-                                          help="Passes over the data.")] = 4.0,
+    epochs: Annotated[Optional[float], typer.Option(
+        "--epochs", min=0.01, rich_help_panel=TRAIN, show_default=False,
+        help="Passes over the data (default 4, or as many as --max-steps / --time-budget allow).")] = None,
     max_steps: Annotated[Optional[int], typer.Option("--max-steps", min=1, rich_help_panel=TRAIN, show_default=False,
                                                      help="Stop after this many optimizer steps.")] = None,
     time_budget: Annotated[Optional[float], typer.Option(
         "--time-budget", metavar="MINUTES", min=0.1, rich_help_panel=TRAIN, show_default=False,
         help="Stop training after this many minutes (generation not counted); the learning rate decays to fit.")] = None,
     batch_tokens: Annotated[int, typer.Option("--batch-tokens", min=16, rich_help_panel=TRAIN,
-                                              help="Positions per batch (padded).")] = 4096,
+                                              help="Positions per batch (padded); smaller batches mean more optimizer steps per epoch.")] = 1024,
     lr: Annotated[float, typer.Option("--lr", min=0.0, rich_help_panel=TRAIN, help="Peak learning rate (AdamW).")] = 1e-3,
     save_every: Annotated[int, typer.Option("--save-every", min=1, rich_help_panel=TRAIN,
                                             help="Steps between checkpoints (each also a servable head).")] = 50,
@@ -224,6 +226,8 @@ def train_eagle3(
     eval_prompts: Annotated[int, typer.Option(
         "--eval-prompts", min=0, help="Afterwards, measure the accept length on this many --eval-dataset prompts.")] = 0,
     eval_dataset: Annotated[str, typer.Option("--eval-dataset", help="Prompt source for --eval-prompts.")] = "mt-bench",
+    eval_max_new_tokens: Annotated[int, typer.Option("--eval-max-new-tokens", min=1,
+                                                     help="Tokens generated per --eval-prompts prompt.")] = 128,
     device: Device = "auto",
     dtype: Dtype = "auto",
     threads: Threads = None,
@@ -233,7 +237,7 @@ def train_eagle3(
     The target answers the prompts (on-policy data, as EAGLE-3 trains) while its three auxiliary hidden states are kept on disk; then the one-layer head learns with training-time test (draft steps unrolled over its own outputs). Checkpoints every --save-every steps; --resume continues; interrupted generation resumes by itself. The result serves with --algo EAGLE3 --draft OUTPUT.
 
     [bold]Examples[/bold]
-      spec convert train-eagle3 --model smollm2-135m -o drafts/smollm2-eagle3 --time-budget 35 --eval-prompts 80
+      spec convert train-eagle3 --model smollm2-135m -o drafts/smollm2-eagle3 -n 896 --time-budget 20 --eval-prompts 10
       spec convert train-eagle3 --model M -o heads/m --prompts sharegpt --num-prompts 20000 --epochs 2
       spec convert train-eagle3 --model M -o heads/m --resume
     """
@@ -244,7 +248,8 @@ def train_eagle3(
                         gen_batch=gen_batch, data_dir=data_dir, draft_vocab=draft_vocab, ttt_steps=ttt_steps,
                         epochs=epochs, max_steps=max_steps, time_budget=time_budget, batch_tokens=batch_tokens,
                         lr=lr, save_every=save_every, resume=resume, device=device, dtype=dtype, precision=precision,
-                        seed=seed, eval_prompts=eval_prompts, eval_dataset=eval_dataset, threads=threads)
+                        seed=seed, eval_prompts=eval_prompts, eval_dataset=eval_dataset,
+                        eval_max_new_tokens=eval_max_new_tokens, threads=threads)
     with _Bar() as bar:
         report = train(opts, bar)
     _print_training(report, output, model)
@@ -301,8 +306,9 @@ class _Bar:
         self.task = self.progress.add_task(name, total=total, info="")
 
     def advance(self, n: float = 1, total=None, **info) -> None:
-        fields = {"info": "  ".join(f"{k.replace('_', '/')} {v:.1f}" if isinstance(v, float) else f"{k.replace('_', '/')} {v}"
-                                    for k, v in info.items())} if info else {}
+        shown = (f"{k.replace('_', '/')} {v:.1f}" if isinstance(v, float) else f"{k.replace('_', '/')} {v}"
+                 for k, v in info.items())
+        fields = {"info": "  ".join(shown)} if info else {}
         self.progress.update(self.task, advance=n, **({"total": total} if total is not None else {}), **fields)
         if not _err.is_terminal and time.monotonic() - self.logged >= self.LOG_EVERY:
             self.logged = time.monotonic()

@@ -117,6 +117,13 @@ def test_resume_continues_the_checkpoint(target, trained, tmp_path):
     assert resumed["generation_s"] < 2
 
 
+def test_time_budget_alone_bounds_training(target, trained, tmp_path):
+    root, prompts, _ = trained
+    report = train(options(target, tmp_path / "head", prompts, data_dir=root / "head" / "data", time_budget=0.02))
+    assert report["steps"] >= 1 and report["training_s"] >= 1.2
+    assert report["training_s"] - 1.2 <= report["s_per_step"] * 3
+
+
 @pytest.fixture(scope="module")
 def bigram(tmp_path_factory):
     """A highly regular language: a target whose next token depends on the current one only

@@ -147,8 +147,8 @@ def apply_token_map(draft: Draft, ids: Sequence[int], vocab_size: int) -> None:
     draft.tensors["d2t"], draft.tensors["t2d"] = d2t, t2d
     draft.config["draft_vocab_size"] = len(target_ids)
     dropped = len(ids) - len(wanted)
-    draft.notes.append(f"draft vocabulary {len(current)} -> {len(target_ids)} tokens"
-                       + (f" ({dropped} map ids are not in the draft's vocabulary and were left out)" if dropped else ""))
+    left_out = f" ({dropped} map ids are not in the draft's vocabulary and were left out)" if dropped else ""
+    draft.notes.append(f"draft vocabulary {len(current)} -> {len(target_ids)} tokens{left_out}")
 
 
 def _draft_ids(draft: Draft) -> torch.Tensor:
@@ -172,7 +172,8 @@ def validate(draft: Draft, target_config, target_embedding: Optional[torch.Tenso
                         _ok(fc is not None and fc.shape[1] == width * hidden)))
     vocab = target_config.vocab_size
     if cfg.get("vocab_size") is not None:
-        checks.append(Check("vocab size", str(cfg["vocab_size"]), str(vocab), "ok" if cfg["vocab_size"] == vocab else "warn"))
+        same = cfg["vocab_size"] == vocab
+        checks.append(Check("vocab size", str(cfg["vocab_size"]), str(vocab), "ok" if same else "warn"))
     if draft.algorithm == EAGLE3:
         checks += _eagle3_checks(draft, target_config)
     if draft.embedding is not None and target_embedding is not None:
@@ -201,7 +202,8 @@ def _eagle3_checks(draft: Draft, target_config) -> list[Check]:
                             f"vocabulary of {target_config.vocab_size}", _ok(inside)))
         t2d = draft.tensors.get("t2d")
         if t2d is not None and inside:
-            agree = t2d.numel() == target_config.vocab_size and torch.equal(t2d.bool().nonzero().flatten(), ids.sort().values)
+            agree = (t2d.numel() == target_config.vocab_size
+                     and torch.equal(t2d.bool().nonzero().flatten(), ids.sort().values))
             checks.append(Check("t2d agrees with d2t", "yes" if agree else "no", "", "ok" if agree else "warn"))
     return checks
 

@@ -139,7 +139,7 @@ def generate_data(engine, prompts: Sequence[str], data_dir: Path, spec: DataSpec
         old = json.loads(manifest_path.read_text())
         if old.get("spec") != manifest["spec"]:
             raise ConvertError(f"{data_dir} holds training data made differently (another model, prompt set or "
-                               "generation settings); pass another --output or delete it.")
+                               "generation settings); use another directory (--output or --data-dir) or delete it.")
         manifest = old
     for shard in manifest["shards"]:
         if on_shard:

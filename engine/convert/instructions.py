@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from functools import lru_cache
+from itertools import zip_longest
 
 _TOPICS = ["remote work", "urban gardening", "electric cars", "a small bakery", "ocean pollution",
            "learning a second language", "public libraries", "space tourism", "a rainy weekend",
@@ -49,6 +50,12 @@ _RECORDS = [
     "Invoice 77-B: consulting, 12 hours at 90 euros; travel, 145 euros; due within 30 days.",
     "Weather report: Monday sunny and 24 C, Tuesday showers and 18 C, Wednesday windy and 20 C.",
     "Job ad: Junior data analyst, Berlin, hybrid, SQL and Python required, salary 48,000 to 55,000 euros.",
+    "Email: Hi Sam, the printer on floor 3 is fixed. The new toner costs $89 and arrives Tuesday. - Priya",
+    "Sports result: the Harbor Hawks beat the Valley Foxes 3-2 on Saturday; Lee scored twice in the last 10 minutes.",
+    "Lease: apartment 4B, 2 bedrooms, 1,450 dollars a month, deposit of one month, starting September 1.",
+    "Lab note: sample A boiled at 78 C, sample B at 100 C; sample C froze at -4 C after 35 minutes.",
+    "Train notice: the 8:12 service to Leeds is cancelled; passengers may take the 8:40, which calls at York.",
+    "Survey: 120 people asked; 54 prefer tea, 48 coffee, 18 neither. Most tea drinkers were over 40.",
 ]
 
 _TEMPLATES = {
@@ -70,7 +77,8 @@ _TEMPLATES = {
     "reasoning": [
         "If all bloops are razzies and some razzies are lazzies, are some bloops necessarily lazzies? Explain.",
         "A farmer has {a} sheep and all but {b} run away. How many are left? Explain your reasoning.",
-        "Five friends stand in a line. {name} is not first, and Ben stands right after Ana. List a possible order and justify it.",
+        "Five friends stand in a line. {name} is not first, and Ben stands right after Ana. "
+        "List a possible order and justify it.",
         "Which weighs more, {a} kilograms of feathers or {b} kilograms of steel? Explain step by step.",
         "A clock shows 3:15. What is the angle between the hour and minute hands? Think step by step.",
         "What are the pros and cons of {topic}? Weigh them and reach a conclusion.",
@@ -94,6 +102,8 @@ _TEMPLATES = {
         "Extract every number and what it refers to from this text: {record}",
         "Summarize the following in one sentence, then list the key facts as JSON: {record}",
         "From this text, identify any dates, places and amounts of money: {record}",
+        "Turn this into a table with one row per fact: {record}",
+        "Who or what is mentioned in the following, and what happens? {record}",
     ],
     "stem": [
         "Explain {concept} in simple terms.",
@@ -124,15 +134,17 @@ def _fill(template: str, rng: random.Random) -> str:
 @lru_cache(maxsize=1)
 def _all(count: int) -> tuple[str, ...]:
     rng = random.Random(0)
-    seen: dict[str, None] = {}
-    categories = list(_TEMPLATES.values())
-    # Categories in turn, so that any prefix of the list is balanced; duplicates are skipped.
-    for _ in range(count * 4):
-        if len(seen) >= count:
-            break
-        templates = categories[len(seen) % len(categories)]
-        seen.setdefault(_fill(rng.choice(templates), rng), None)
-    return tuple(seen)
+    per_category = []
+    for templates in _TEMPLATES.values():
+        seen: dict[str, None] = {}
+        for _ in range(4 * count):                # tries; a category with fewer combinations ends early
+            if len(seen) >= count:
+                break
+            seen.setdefault(_fill(rng.choice(templates), rng), None)
+        per_category.append(list(seen))
+    # Categories in turn, so that any prefix of the list is balanced while each lasts.
+    mixed = [p for group in zip_longest(*per_category) for p in group if p is not None]
+    return tuple(mixed[:count])
 
 
 def instructions(count: int = 2000) -> list[str]:

@@ -47,14 +47,14 @@ class TrainOptions:
     num_prompts: int = 1024
     max_new_tokens: int = 256
     temperature: float = 0.0
-    gen_batch: int = 32
+    gen_batch: int = 64
     data_dir: Optional[Path] = None
     draft_vocab: int = 8192
     ttt_steps: int = 4
-    epochs: float = 4.0
+    epochs: Optional[float] = None            # default: 4, unless max_steps or time_budget bounds the run
     max_steps: Optional[int] = None
     time_budget: Optional[float] = None       # minutes of training (the data phase not counted)
-    batch_tokens: int = 4096
+    batch_tokens: int = 1024
     lr: float = 1e-3
     warmup: float = 0.03                      # share of the planned steps
     grad_clip: float = 0.5
@@ -67,6 +67,7 @@ class TrainOptions:
     seed: int = 0
     eval_prompts: int = 0
     eval_dataset: str = "mt-bench"
+    eval_max_new_tokens: int = 128
     threads: Optional[int] = None             # torch CPU threads (default: all cores)
 
     @property
@@ -96,7 +97,7 @@ class Silent:
 # ------------------------------------------------------------------------------------------------ the run
 def train(opts: TrainOptions, progress: Optional[Progress] = None) -> dict:
     """Generate (or reuse) the data, train, save; returns the report also written as training_report.json."""
-    from engine.loader import load_config, load_tokenizer, resolve_model_path
+    from engine.loader import load_config, resolve_model_path
     from engine.model_runner import resolve_device
 
     progress = progress or Silent()
@@ -118,18 +119,14 @@ def train(opts: TrainOptions, progress: Optional[Progress] = None) -> dict:
     samples = _data(opts, target_dir, aux, device, progress)
     generation_s = time.perf_counter() - started
 
-    tokenizer = load_tokenizer(target_dir)
-    from engine.build import eos_token_ids
-
     counts = count_ids((s.ids[s.prompt_len:].tolist() for s in samples), config.vocab_size)
     state = torch.load(checkpoint_path, map_location="cpu", weights_only=True) if opts.resume else None
     if state is not None:
         _check_resumable(state, opts)
-        vocab_ids = state["vocab"]
+        vocab_ids = state["vocab"].tolist()
     else:
-        always = chat_special_ids(tokenizer, eos_token_ids(target_dir, config, tokenizer))
-        vocab_ids = torch.tensor(build_token_map(counts, opts.draft_vocab, always), dtype=torch.long)
-    target_ids, d2t, t2d = eagle3_vocab(vocab_ids.tolist(), config.vocab_size)
+        vocab_ids = _vocabulary(target_dir, config, counts, opts.draft_vocab)
+    target_ids, d2t, t2d = eagle3_vocab(vocab_ids, config.vocab_size)
     progress.log(f"draft vocabulary: {len(target_ids)} tokens covering {coverage(counts, target_ids.tolist()):.1%} "
                  f"of the {int(counts.sum())} answer tokens")
 
@@ -157,9 +154,18 @@ def train(opts: TrainOptions, progress: Optional[Progress] = None) -> dict:
         progress.phase(f"evaluating on {opts.eval_prompts} {opts.eval_dataset} prompts", None)
         report["eval"] = {"dataset": opts.eval_dataset, "prompts": opts.eval_prompts,
                           **evaluate(opts.model, output, load_prompts([opts.eval_dataset], opts.eval_prompts),
-                                     opts.max_new_tokens, opts.device, opts.dtype)}
+                                     opts.eval_max_new_tokens, opts.device, opts.dtype)}
     (output / "training_report.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def _vocabulary(target_dir: Path, config, counts: torch.Tensor, size: int) -> list[int]:
+    """The most frequent answer tokens, with EOS and the chat template's special tokens."""
+    from engine.build import eos_token_ids
+    from engine.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(target_dir)
+    return build_token_map(counts, size, chat_special_ids(tokenizer, eos_token_ids(target_dir, config, tokenizer)))
 
 
 def _aux_layers(config, target_dir) -> tuple[int, ...]:
@@ -185,7 +191,7 @@ def _data(opts: TrainOptions, target_dir: Path, aux, device: str, progress: Prog
         progress.phase(f"generating answers to {len(prompts)} prompts", len(prompts))
         engine = Engine(model_path=str(target_dir), dtype=opts.dtype, device=device, disable_radix_cache=True,
                         max_running_requests=opts.gen_batch,
-                        max_total_tokens=opts.gen_batch * (opts.max_new_tokens + 1024))
+                        max_total_tokens=opts.gen_batch * (opts.max_new_tokens + 512))
         started, tokens = time.perf_counter(), [0]
 
         def on_tokens(n: int) -> None:
@@ -321,9 +327,11 @@ class _Trainer:
         self.optimizer = torch.optim.AdamW([p for p in self.draft.parameters() if p.requires_grad],
                                            lr=self.opts.lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.steps_per_epoch = len(self._plan(0))
-        planned = math.ceil(self.opts.epochs * self.steps_per_epoch)
-        self.planned = min(planned, self.opts.max_steps) if self.opts.max_steps else planned
-        self.warmup = max(1, round(self.opts.warmup * self.planned))
+        opts = self.opts
+        epochs = opts.epochs if opts.epochs is not None or opts.max_steps or opts.time_budget else 4.0
+        limits = ([math.ceil(epochs * self.steps_per_epoch)] if epochs is not None else []) + \
+            ([opts.max_steps] if opts.max_steps else [])
+        self.planned: Optional[int] = min(limits) if limits else None     # None: the time budget alone ends it
         self.window: list[tuple[float, list]] = []
 
     # -- data order: bucketed by length, reshuffled every epoch, reproducible for resume
@@ -349,11 +357,12 @@ class _Trainer:
     def _progress(self) -> float:
         budget = self.opts.time_budget
         by_time = self.elapsed / (budget * 60) if budget else 0.0
-        return max(self.step / self.planned, by_time)
+        return max(self.step / self.planned if self.planned else 0.0, by_time)
 
     def _lr(self) -> float:
-        if self.step < self.warmup:
-            return self.opts.lr * (self.step + 1) / self.warmup
+        warmup = max(1, round(self.opts.warmup * self._expected_total()))
+        if self.step < warmup:
+            return self.opts.lr * (self.step + 1) / warmup
         return self.opts.lr * 0.5 * (1 + math.cos(math.pi * min(self._progress(), 1.0)))
 
     def run(self, progress: Progress, save) -> None:
@@ -390,11 +399,14 @@ class _Trainer:
         self.draft.eval()
 
     def _expected_total(self) -> int:
-        """Planned steps, or fewer when the time budget will end training first."""
-        if not self.opts.time_budget or self.step == 0:
+        """Planned steps, or fewer when the time budget will end training first (before the first step
+        of a run bounded by time alone: a guess of 100)."""
+        if not self.opts.time_budget:
             return self.planned
-        per_step = self.elapsed / self.step
-        return min(self.planned, max(self.step, int(self.opts.time_budget * 60 / per_step)))
+        if self.step == 0:
+            return self.planned or 100
+        by_time = max(self.step, int(self.opts.time_budget * 60 * self.step / self.elapsed))
+        return min(self.planned, by_time) if self.planned else by_time
 
     def _record(self, loss: float, stats, took: float, tokens: int) -> None:
         self.window.append((loss, stats))

@@ -29,9 +29,9 @@ from engine.convert.eagle3_data import Sample
 
 class TTTAttention:
     """Attention backend for the unrolled steps over a padded batch [B, L] (tokens flattened b-major).
-    The first call (step 0) is causal over valid keys and keeps its K/V; each later call attends to
-    those and to the same position's K/V of every later step so far, its own included: one fused
-    attention over [step 0's keys, step 1's, ..., step i's] with a causal block then diagonal blocks."""
+    Step 0 attends causally over valid keys; step i at position t attends to step 0's keys 0..t and to
+    the keys of steps 1..i at t: one fused attention over [step 0's keys, step 1's, ..., step i's] with
+    a causal block followed by diagonal blocks."""
 
     def __init__(self, key_valid: torch.Tensor):
         B, L = key_valid.shape
