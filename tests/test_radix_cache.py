@@ -143,7 +143,7 @@ def test_evict_lru_first_and_returns_slots():
     before = alloc.available()
     assert cache.evict(3) == 3
     assert alloc.available() == before + 3
-    assert set(alloc._free[-3:].tolist()) == set(b.tolist())
+    assert set(alloc.free_slots()[-3:].tolist()) == set(b.tolist())
     # Checked without matching, which would refresh what it touches.
     assert set(cached(cache)) == {(1,), (1, 2), (1, 2, 3), (7,), (7, 8)}
     assert cache.evict(1) == 2  # [7, 8] is older than the refreshed [1, 2, 3]
@@ -233,7 +233,7 @@ def test_random_ops_against_brute_force():
         assert cache.protected_size() == len(protected)
         assert cache.evictable_size() == len(model) - len(protected)
         assert cache.total_size() == len(model)
-        slots = alloc._free.tolist() + list(model.values())
+        slots = alloc.free_slots().tolist() + list(model.values())
         assert sorted(slots) == list(range(1, alloc.size + 1))
 
     for node, _ in locks:

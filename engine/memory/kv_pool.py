@@ -15,25 +15,38 @@ class TokenSlotAllocator:
 
     def __init__(self, size: int):
         self.size = size
-        self._free = torch.arange(1, size + 1, dtype=torch.int64)
+        self.reset()
 
     def available(self) -> int:
-        return int(self._free.numel())
+        return self._count
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """`n` free slots as an int64 tensor, or None when fewer are free (nothing is taken then)."""
-        if n > self._free.numel():
+        if n > self._count:
             return None
+        if n > self._free.numel():
+            # Freed slots are gathered here, once, not on every free: a free per request per step
+            # must not copy a pool-sized list.
+            self._free = torch.cat([self._free, *self._returned])
+            self._returned = []
         out, self._free = self._free[:n], self._free[n:]
+        self._count -= n
         return out
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
             # .cpu(): slots often come from a req-to-token table on the GPU; the free list lives on the CPU.
-            self._free = torch.cat([self._free, slots.to("cpu", torch.int64).flatten()])
+            self._returned.append(slots.to("cpu", torch.int64).flatten())
+            self._count += slots.numel()
+
+    def free_slots(self) -> torch.Tensor:
+        """Every free slot, the most recently freed last."""
+        return torch.cat([self._free, *self._returned])
 
     def reset(self) -> None:
         self._free = torch.arange(1, self.size + 1, dtype=torch.int64)
+        self._returned: list[torch.Tensor] = []
+        self._count = self.size
 
 
 class KVPool:
