@@ -14,6 +14,7 @@ from engine.errors import ConfigError, ModelLoadError
 from engine.forward_batch import ForwardItem, build_forward_batch
 from engine.memory.kv_pool import KVPool, ReqToTokenPool, TokenSlotAllocator
 from engine.models import model_class
+from engine.models.prepack import can_prepack
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class ModelRunner:
                                  "Pass a complete checkpoint.") from None
         self.model = model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if can_prepack(self.device, self.dtype):
+            self.weight_bytes += self._prepack()
 
         attn = model.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
@@ -85,6 +88,16 @@ class ModelRunner:
         self.backend = create_backend(args.attention_backend, self.device, self.kv_pool, self.req_to_token)
         log.info("model %s: %s, %.0f MiB of weights; KV pool %d tokens (%.0f MiB)", model_dir, self.dtype,
                  self.weight_bytes / 2**20, tokens, tokens * self.kv_bytes_per_token / 2**20)
+
+    def _prepack(self) -> int:
+        import psutil
+
+        # The packed copies about double the weights; without room for them, stay on F.linear.
+        if psutil.virtual_memory().available < 2 * self.weight_bytes:
+            log.warning("not enough free memory for prepacked CPU weights (%.0f MiB more); batched matmuls "
+                        "will be slower", self.weight_bytes / 2**20)
+            return 0
+        return self.model.prepack()
 
     @property
     def kv_bytes_per_token(self) -> int:

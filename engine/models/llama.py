@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.forward_batch import ForwardBatch
+from engine.models.prepack import PrepackedLinear, prepack_linears
 
 
 class RMSNorm(nn.Module):
@@ -144,6 +145,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.packed_head: PrepackedLinear | None = None
 
     @property
     def num_layers(self) -> int:
@@ -168,7 +170,17 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(h), captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_head is not None:
+            return self.packed_head(hidden).float()
         return torch.nn.functional.linear(hidden, self.lm_head_weight()).float()
+
+    def prepack(self) -> int:
+        """Pack the decoder's and the head's weights for CPU matmuls (engine/models/prepack.py), once the
+        weights are loaded and final; returns the bytes added."""
+        added = prepack_linears(self.model)
+        self.packed_head = PrepackedLinear(self.lm_head_weight())
+        head = self.packed_head.weight
+        return added + head.numel() * head.element_size()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up; every parameter must be given."""
