@@ -127,10 +127,10 @@ def prompts_digest(prompts: Sequence[str]) -> str:
 
 
 def generate_data(engine, prompts: Sequence[str], data_dir: Path, spec: DataSpec, *,
-                  on_tokens: Optional[Callable[[int], None]] = None,
-                  on_shard: Optional[Callable[[int, int], None]] = None) -> list[Path]:
+                  on_step: Optional[Callable[[int, int], None]] = None) -> list[Path]:
     """Write the shards still missing for `prompts` under data_dir; return every shard in order.
-    on_shard(samples, tokens) is told each shard written (or found)."""
+    on_step(new tokens, newly finished prompts) follows the generation; the prompts of shards found
+    from an earlier run count as finished at the start."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = data_dir / "manifest.json"
@@ -141,17 +141,16 @@ def generate_data(engine, prompts: Sequence[str], data_dir: Path, spec: DataSpec
             raise ConvertError(f"{data_dir} holds training data made differently (another model, prompt set or "
                                "generation settings); use another directory (--output or --data-dir) or delete it.")
         manifest = old
-    for shard in manifest["shards"]:
-        if on_shard:
-            on_shard(shard["samples"], shard["tokens"])
     done = sum(s["prompts"] for s in manifest["shards"])
+    if on_step and done:
+        on_step(0, done)
     if done >= len(prompts):
         return [data_dir / s["file"] for s in manifest["shards"]]
     worker = CaptureWorker(engine.runner, engine.eos_ids, spec.aux_layers)
     engine.worker = engine.scheduler.worker = worker
     ids = chat_prompt_ids(engine.tokenizer, prompts[done:])
     for k, reqs in enumerate(generate_groups(engine, ids, spec.generation, spec.group, first_index=done,
-                                             on_token=on_tokens)):
+                                             on_step=on_step)):
         samples = [s for s in (worker.take(r) for r in reqs) if s is not None]
         name = f"shard_{len(manifest['shards']):05d}.pt"
         tokens = sum(int(s["ids"].numel()) for s in samples)
@@ -159,8 +158,6 @@ def generate_data(engine, prompts: Sequence[str], data_dir: Path, spec: DataSpec
             _save_shard(data_dir / name, samples)
         manifest["shards"].append({"file": name, "prompts": len(reqs), "samples": len(samples), "tokens": tokens})
         _write_json(manifest_path, manifest)
-        if on_shard:
-            on_shard(len(samples), tokens)
     return [data_dir / s["file"] for s in manifest["shards"]]
 
 

@@ -29,9 +29,10 @@ def chat_prompt_ids(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
 
 
 def generate_groups(engine, prompt_ids: Sequence[Sequence[int]], gen: Generation, group: int, *,
-                    first_index: int = 0, on_token: Optional[Callable[[int], None]] = None) -> Iterator[list[Request]]:
+                    first_index: int = 0, on_step: Optional[Callable[[int, int], None]] = None) -> Iterator[list[Request]]:
     """Finished requests, `group` prompts at a time, in prompt order. Prompt i (counting from
-    `first_index`, so that a resumed run samples as the first one did) gets seed gen.seed + i."""
+    `first_index`, so that a resumed run samples as the first one did) gets seed gen.seed + i.
+    on_step(new tokens, newly finished prompts) is told after every engine step."""
     context = engine.runner.context_len
     for start in range(0, len(prompt_ids), group):
         reqs = []
@@ -42,11 +43,11 @@ def generate_groups(engine, prompt_ids: Sequence[Sequence[int]], gen: Generation
             reqs.append(engine.make_request(ids, params))
         for req in reqs:
             engine.add_request(req)
-        produced = 0
-        while not all(r.finished for r in reqs):
+        produced = finished = 0
+        while finished < len(reqs):
             engine.step()
-            now = sum(len(r.output_ids) for r in reqs)
-            if on_token and now > produced:
-                on_token(now - produced)
-            produced = now
+            now, done = sum(len(r.output_ids) for r in reqs), sum(r.finished for r in reqs)
+            if on_step and (now, done) != (produced, finished):
+                on_step(now - produced, done - finished)
+            produced, finished = now, done
         yield reqs

@@ -112,6 +112,7 @@ def generation_counts(engine, prompts: Sequence[str], gen, batch: int, on_tokens
 
     counts = torch.zeros(engine.model_config.vocab_size, dtype=torch.long)
     ids = chat_prompt_ids(engine.tokenizer, prompts)
-    for reqs in generate_groups(engine, ids, gen, 4 * batch, on_token=on_tokens):
+    on_step = (lambda tokens, _finished: on_tokens(tokens)) if on_tokens else None
+    for reqs in generate_groups(engine, ids, gen, 4 * batch, on_step=on_step):
         counts += count_ids((r.output_ids for r in reqs), counts.numel())
     return counts

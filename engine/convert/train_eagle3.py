@@ -194,12 +194,11 @@ def _data(opts: TrainOptions, target_dir: Path, aux, device: str, progress: Prog
                         max_total_tokens=opts.gen_batch * (opts.max_new_tokens + 512))
         started, tokens = time.perf_counter(), [0]
 
-        def on_tokens(n: int) -> None:
-            tokens[0] += n
-            progress.advance(0, tok_s=tokens[0] / (time.perf_counter() - started))
+        def on_step(new_tokens: int, finished: int) -> None:
+            tokens[0] += new_tokens
+            progress.advance(finished, tok_s=tokens[0] / (time.perf_counter() - started))
 
-        shards = generate_data(engine, prompts, opts.data_path, spec, on_tokens=on_tokens,
-                               on_shard=lambda samples, _tokens: progress.advance(samples))
+        shards = generate_data(engine, prompts, opts.data_path, spec, on_step=on_step)
         del engine
     samples = load_samples(shards)
     if not samples:
