@@ -77,8 +77,9 @@ class ServerArgs:
         "Admission order of waiting requests: lpm (longest cached prefix first) or fcfs.",
         group="Memory and scheduling", choices=("lpm", "fcfs")))
     attention_backend: str = field(default="auto", metadata=opt(
-        "Attention kernels: torch (reference, CPU and GPU), triton, flashinfer. auto: flashinfer on CUDA if "
-        "installed, else torch.", group="Memory and scheduling", choices=("auto", "torch", "triton", "flashinfer")))
+        "Attention kernels. torch (SDPA over the paged cache, CPU and GPU) is the one implemented so far; "
+        "triton and flashinfer are accepted as SGLang spells them and refused until they land. auto: torch.",
+        group="Memory and scheduling", choices=("auto", "torch", "triton", "flashinfer")))
     num_threads: Optional[int] = field(default=None, metadata=opt(
         "CPU threads for torch. Default: torch's choice (all cores).", group="Memory and scheduling"))
 

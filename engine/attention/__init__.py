@@ -11,4 +11,5 @@ def create_backend(name: str, device: str, kv_pool, req_to_token) -> AttentionBa
         from engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(kv_pool, req_to_token)
-    raise ConfigError(f"--attention-backend {name} is not available on {device}; use torch.")
+    raise ConfigError(f"--attention-backend {name} is not implemented yet (only torch is); use --attention-backend "
+                      "torch or auto.")
