@@ -71,8 +71,8 @@ class TorchAttentionBackend(AttentionBackend):
         meta: _Metadata = batch.attn
         B = batch.batch_size
         T, H, D = q.shape
-        keys = self.kv_pool.k[layer][meta.kv_index].transpose(1, 2)    # [B, Hkv, max_kv, D]
-        values = self.kv_pool.v[layer][meta.kv_index].transpose(1, 2)
+        keys, values = self.kv_pool.gather(layer, meta.kv_index)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)      # [B, Hkv, max_kv, D]
         if meta.max_new == 1:
             qp = q.view(B, 1, H, D).transpose(1, 2)
         else:

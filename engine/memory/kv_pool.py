@@ -67,8 +67,15 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer][slots] = k
-        self.v[layer][slots] = v
+        # index_copy_/index_select: about twice as fast on CPU as indexed assignment and lookup.
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `slots` (any shape S): two [*S, Hkv, D] copies."""
+        flat = slots.reshape(-1)
+        shape = (*slots.shape, *self.k[layer].shape[1:])
+        return self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(shape)
 
 
 class ReqToTokenPool:
