@@ -179,9 +179,9 @@ class LlamaForCausalLM(nn.Module):
         """Pack the decoder's and the head's weights for CPU matmuls (engine/models/prepack.py), once the
         weights are loaded and final; returns the bytes added."""
         added = prepack_linears(self.model)
-        self.packed_head = PrepackedLinear(self.lm_head_weight())
-        head = self.packed_head.weight
-        return added + head.numel() * head.element_size()
+        # Not owned: the embedding shares a tied head, and drafts (EAGLE's, token maps) read its rows.
+        self.packed_head = PrepackedLinear(self.lm_head_weight(), owned=False)
+        return added + self.packed_head.extra_bytes
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up; every parameter must be given."""
