@@ -1,7 +1,12 @@
-"""Test-wide settings."""
+"""Test-wide settings and fixtures."""
+
+import sys
+import types
 
 import pytest
 import torch
+
+from tests.tiny import make_model
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -11,3 +16,20 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """Stand in for engine.server: record the ServerArgs `spec serve` would serve, start nothing."""
+    calls = []
+    module = types.ModuleType("engine.server")
+    module.run_server = calls.append
+    monkeypatch.setitem(sys.modules, "engine.server", module)
+    return calls
+
+
+@pytest.fixture(scope="session")
+def target(tmp_path_factory):
+    """A tiny random Llama target, read-only. Four layers: EAGLE-3's default aux states (2, L//2, L-3)
+    need at least three."""
+    return make_model(tmp_path_factory.mktemp("target"), "llama", layers=4)

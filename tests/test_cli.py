@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -31,16 +30,6 @@ REGENERATE = "for sh in bash zsh fish; do _SPEC_COMPLETE=source_$sh spec > compl
 
 def run(*args: str, env: dict | None = None):
     return CliRunner().invoke(app, list(args), prog_name="spec", env={**WIDE, **(env or {})})
-
-
-@pytest.fixture
-def served(monkeypatch):
-    """Stand in for engine.server: record the ServerArgs `spec serve` would serve."""
-    calls: list[ServerArgs] = []
-    module = types.ModuleType("engine.server")
-    module.run_server = calls.append
-    monkeypatch.setitem(sys.modules, "engine.server", module)
-    return calls
 
 
 def assert_user_error(result, *needles: str) -> str:

@@ -33,11 +33,6 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("target"), "llama", layers=4)
-
-
-@pytest.fixture(scope="module")
 def plain(target):
     batch = prompts(4)
     outs = Engine(model_path=str(target), dtype="float32", max_total_tokens=2048).generate(

@@ -27,12 +27,6 @@ engine = tiny_engine
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    # Four layers: EAGLE-3's default aux states (2, L//2, L-3) need at least three.
-    return make_model(tmp_path_factory.mktemp("target"), "llama", layers=4)
-
-
-@pytest.fixture(scope="module")
 def drafts(target, tmp_path_factory):
     root = tmp_path_factory.mktemp("drafts")
     config, tensors = ckpt.eagle_tensors(target, seed=1)

@@ -42,11 +42,6 @@ def options(target, output, prompts, **kw) -> TrainOptions:
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("target"), "llama", layers=4)
-
-
-@pytest.fixture(scope="module")
 def trained(target, tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
     prompts = write_prompts(root / "prompts.txt", 24)

@@ -4,8 +4,6 @@ speeds), the saved config, and an end-to-end search on a tiny model."""
 from __future__ import annotations
 
 import json
-import sys
-import types
 
 import pytest
 from typer.testing import CliRunner
@@ -128,15 +126,6 @@ def test_serve_config_round_trips_and_drops_speculation_for_the_baseline(tmp_pat
 
 
 # --- end to end -------------------------------------------------------------------------------------
-
-@pytest.fixture
-def served(monkeypatch):
-    calls: list[ServerArgs] = []
-    module = types.ModuleType("engine.server")
-    module.run_server = calls.append
-    monkeypatch.setitem(sys.modules, "engine.server", module)
-    return calls
-
 
 def test_tune_end_to_end(tmp_path, served):
     model = make_model(tmp_path / "model", "llama", max_pos=2048)
