@@ -34,7 +34,8 @@ Dtype = Annotated[Literal["auto", "float32", "bfloat16", "float16"], typer.Optio
 Prompts = Annotated[Optional[list[str]], typer.Option(
     "--prompts", "--dataset", "-d", show_default=False, rich_help_panel=GEN,
     help="Prompt source, repeatable: mt-bench, gsm8k, humaneval, sharegpt, instructions (built-in MT-Bench-like "
-         "requests), or a question.jsonl / ShareGPT .json / text file (one prompt a line).")]
+         "requests), magpie (requests the target writes itself from its chat template; needs a chat model and, "
+         "for token-map, --from-generations), or a question.jsonl / ShareGPT .json / text file (one prompt a line).")]
 NumPrompts = Annotated[Optional[int], typer.Option("--num-prompts", "-n", min=1, rich_help_panel=GEN,
                                                    help="Use this many prompts, taken from the sources in turn.")]
 MaxNew = Annotated[int, typer.Option("--max-new-tokens", min=1, rich_help_panel=GEN, help="Longest answer generated.")]
@@ -77,6 +78,7 @@ def token_map(
       spec convert token-map --model M --dataset gsm8k --from-generations -n 500 --size 16384
     """
     from engine.build import eos_token_ids
+    from engine.convert import magpie
     from engine.convert.token_map import (build_token_map, chat_special_ids, corpus_counts, coverage,
                                           generation_counts, save_token_map)
     from engine.loader import load_config, load_tokenizer, resolve_model_path
@@ -92,14 +94,22 @@ def token_map(
         from engine.convert.corpus import load_prompts
         from engine.convert.generate import Generation
 
-        prompts = load_prompts(sources, num_prompts)
         engine = Engine(model_path=model, dtype=dtype, device=device, disable_radix_cache=True,
                         max_running_requests=gen_batch, max_total_tokens=gen_batch * (max_new_tokens + 512))
+        written = {}
+        if magpie.MAGPIE in sources:
+            count = magpie.share(sources, num_prompts)
+            with _Bar(f"the target writing {count} prompts (magpie)") as bar:
+                written[magpie.MAGPIE] = magpie.write_prompts(
+                    engine, count, magpie.MagpieSettings(str(engine.model_dir)), gen_batch, bar.advance)
+        prompts = load_prompts(sources, num_prompts, written)
         model_dir, config, tokenizer, eos = engine.model_dir, engine.model_config, engine.tokenizer, engine.eos_ids
         with _Bar(f"generating answers to {len(prompts)} prompts (tokens)") as bar:
             counts = generation_counts(engine, prompts, Generation(max_new_tokens, temperature), gen_batch,
                                        on_tokens=bar.advance)
         what = f"tokens the target generated for {len(prompts)} prompts"
+    elif magpie.MAGPIE in sources:
+        fail("--dataset magpie has the target write prompts, so its texts are generations: add --from-generations.")
     else:
         model_dir = resolve_model_path(model)
         config, tokenizer = load_config(model_dir), load_tokenizer(model_dir)

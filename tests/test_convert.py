@@ -107,6 +107,23 @@ def test_map_from_generations(target, tmp_path):
     assert len(load_token_map(out, 320)) == 40
 
 
+def test_map_from_prompts_the_target_writes(target, tmp_path, monkeypatch):
+    from engine.convert import magpie
+
+    written = []
+    monkeypatch.setattr(magpie, "write_prompts", lambda engine, count, settings, group, on_kept=None:
+                        written.append(count) or ["one two three four", "five six seven eight"][:count])
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("hello there\nthe quick brown fox\n")
+    common = ("convert", "token-map", "-m", str(target), "-d", "magpie", "-d", str(prompts_file), "-n", "4",
+              "--size", "40", "-o", str(tmp_path / "m.pt"))
+    refused = run(*common)
+    assert refused.exit_code == 2 and "add --from-generations" in refused.output and not written
+    result = run(*common, "--from-generations", "--max-new-tokens", "8", "--dtype", "float32")
+    assert result.exit_code == 0, result.output
+    assert written == [2] and "tokens the target generated for 4 prompts" in result.output
+
+
 # ------------------------------------------------------------------------------------------------ drafts
 def speculators_copy(eagle3_dir: Path, out: Path) -> Path:
     """The same EAGLE-3 weights as vLLM speculators stores them."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from itertools import chain, zip_longest
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Mapping, Optional, Sequence
 
 from engine.convert import ConvertError
 
@@ -46,9 +46,12 @@ def corpus_texts(source: str) -> Iterator[str]:
         yield path.read_text(encoding="utf-8", errors="replace")
 
 
-def load_prompts(sources: list[str], num_prompts: Optional[int] = None) -> list[str]:
-    """First user turns, taken from the sources in turn (a mix even when num_prompts is small)."""
-    per_source = [_prompts(s) for s in sources]
+def load_prompts(sources: list[str], num_prompts: Optional[int] = None,
+                 written: Optional[Mapping[str, Sequence[str]]] = None) -> list[str]:
+    """First user turns, taken from the sources in turn (a mix even when num_prompts is small).
+    `written` holds the prompts of sources made at run time (magpie.py), by source name."""
+    written = written or {}
+    per_source = [list(written[s]) if s in written else _prompts(s) for s in sources]
     mixed = [p for group in zip_longest(*per_source) for p in group if p is not None]
     if not mixed:
         raise ConvertError(f"The prompt sources {', '.join(sources)} hold no prompts.")

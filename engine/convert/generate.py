@@ -19,6 +19,7 @@ class Generation:
     max_new_tokens: int = 256
     temperature: float = 0.0
     seed: int = 0
+    top_p: float = 1.0
 
 
 def chat_prompt_ids(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
@@ -39,7 +40,7 @@ def generate_groups(engine, prompt_ids: Sequence[Sequence[int]], gen: Generation
         for i, ids in enumerate(prompt_ids[start:start + group], first_index + start):
             ids = list(ids)[-(context - 2):]         # a prompt longer than the context keeps its end
             params = SamplingParams.from_dict({"max_new_tokens": gen.max_new_tokens, "temperature": gen.temperature,
-                                               "seed": gen.seed + i})
+                                               "top_p": gen.top_p, "seed": gen.seed + i})
             reqs.append(engine.make_request(ids, params))
         for req in reqs:
             engine.add_request(req)

@@ -28,7 +28,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from engine.convert import ConvertError
+from engine.convert import ConvertError, magpie
 from engine.convert.eagle3_data import DataSpec, Sample, generate_data, load_samples, prompts_digest
 from engine.convert.generate import Generation, chat_prompt_ids
 from engine.convert.token_map import build_token_map, chat_special_ids, count_ids, coverage, eagle3_vocab
@@ -178,7 +178,26 @@ def _data(opts: TrainOptions, target_dir: Path, aux, device: str, progress: Prog
     from engine import Engine
     from engine.convert.corpus import load_prompts
 
-    prompts = load_prompts(list(opts.prompts), opts.num_prompts)
+    engine = None
+
+    def make_engine():
+        nonlocal engine
+        if engine is None:
+            engine = Engine(model_path=str(target_dir), dtype=opts.dtype, device=device, disable_radix_cache=True,
+                            max_running_requests=opts.gen_batch,
+                            max_total_tokens=opts.gen_batch * (opts.max_new_tokens + 512))
+        return engine
+
+    written = {}
+    if magpie.MAGPIE in opts.prompts:
+        count = magpie.share(opts.prompts, opts.num_prompts)
+        progress.phase(f"the target writing {count} prompts (magpie)", count)
+        written[magpie.MAGPIE] = ours = magpie.cached_prompts(
+            opts.data_path / "magpie.json", count, magpie.MagpieSettings(str(target_dir), opts.seed), make_engine,
+            opts.gen_batch, progress.advance)
+        if len(ours) < count:
+            progress.log(f"magpie: only {len(ours)} distinct requests of the {count} wanted")
+    prompts = load_prompts(list(opts.prompts), opts.num_prompts, written)
     gen = Generation(opts.max_new_tokens, opts.temperature, opts.seed)
     spec = DataSpec(str(target_dir), tuple(aux), gen, prompts_digest(prompts), 4 * opts.gen_batch)
     manifest = opts.data_path / "manifest.json"
@@ -189,17 +208,13 @@ def _data(opts: TrainOptions, target_dir: Path, aux, device: str, progress: Prog
             shards = [opts.data_path / s["file"] for s in data["shards"]]
     if shards is None:
         progress.phase(f"generating answers to {len(prompts)} prompts", len(prompts))
-        engine = Engine(model_path=str(target_dir), dtype=opts.dtype, device=device, disable_radix_cache=True,
-                        max_running_requests=opts.gen_batch,
-                        max_total_tokens=opts.gen_batch * (opts.max_new_tokens + 512))
         started, tokens = time.perf_counter(), [0]
 
         def on_step(new_tokens: int, finished: int) -> None:
             tokens[0] += new_tokens
             progress.advance(finished, tok_s=tokens[0] / (time.perf_counter() - started))
 
-        shards = generate_data(engine, prompts, opts.data_path, spec, on_step=on_step)
-        del engine
+        shards = generate_data(make_engine(), prompts, opts.data_path, spec, on_step=on_step)
     samples = load_samples(shards)
     if not samples:
         raise ConvertError(f"No training samples in {opts.data_path}: every generation failed.")

@@ -1,0 +1,84 @@
+"""The prompt source `magpie`: the target writes its own user requests (Magpie, Xu et al. 2024).
+
+Fed only its chat template's text up to where a user's message begins, an instruction-tuned model
+samples a request like those it was tuned on: prompts from the target's own distribution, as many as
+wanted, with no dataset. Requests cut off by the token limit, shorter than a few words or repeated are
+dropped. The prompts are kept in a JSON file and reused by a later run with the same settings, so
+that the answers' data (whose digest covers the prompts) stays valid across resumes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from engine.convert import ConvertError
+from engine.convert.generate import Generation, generate_groups
+
+MAGPIE = "magpie"
+_MARK = "\x00user message\x00"
+_MIN_WORDS = 4
+
+
+@dataclass(frozen=True)
+class MagpieSettings:
+    model: str
+    seed: int = 0
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 0.95
+
+
+def share(sources: Sequence[str], num_prompts: Optional[int]) -> int:
+    """How many prompts magpie must write to fill its turn among the sources (1,024 in all by default)."""
+    return -(-(num_prompts or 1024) // len(sources))
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """Token ids of the chat template's text before a (first) user message's content."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConvertError("The prompt source magpie needs a chat model: this tokenizer has no chat template. "
+                           "Pass a prompt file or a named set (gsm8k, instructions, ...) instead.")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False)
+    return tokenizer(text[:text.index(_MARK)], add_special_tokens=False)["input_ids"]
+
+
+def write_prompts(engine, count: int, settings: MagpieSettings, group: int,
+                  on_kept: Optional[Callable[[int], None]] = None) -> list[str]:
+    """`count` distinct requests sampled from the target; fewer (and a warning from the caller) only
+    when four times as many samples did not yield enough."""
+    prefix = user_turn_prefix(engine.tokenizer)
+    gen = Generation(settings.max_new_tokens, settings.temperature, settings.seed, settings.top_p)
+    kept: dict[str, None] = {}
+    tried = 0
+    while len(kept) < count and tried < 4 * count:
+        batch = min(group, 4 * count - tried)
+        for reqs in generate_groups(engine, [prefix] * batch, gen, batch, first_index=tried):
+            before = len(kept)
+            for req in reqs:
+                text = engine.tokenizer.decode(req.output_ids, skip_special_tokens=True).strip()
+                if req.finish_reason.type == "stop" and len(text.split()) >= _MIN_WORDS and len(kept) < count:
+                    kept.setdefault(text, None)
+            if on_kept:
+                on_kept(len(kept) - before)
+        tried += batch
+    return list(kept)
+
+
+def cached_prompts(path: Path, count: int, settings: MagpieSettings, make_engine: Callable[[], object], group: int,
+                   on_kept: Optional[Callable[[int], None]] = None) -> list[str]:
+    """The prompts stored at `path` when an earlier run wrote at least `count` with these settings;
+    otherwise new ones, written there."""
+    if path.is_file():
+        stored = json.loads(path.read_text())
+        if stored.get("settings") == asdict(settings) and len(stored["prompts"]) >= count:
+            return stored["prompts"][:count]
+    prompts = write_prompts(make_engine(), count, settings, group, on_kept)
+    if not prompts:
+        raise ConvertError(f"The target wrote no usable requests in {4 * count} tries (each must end before "
+                           f"{settings.max_new_tokens} tokens and have {_MIN_WORDS}+ words); use another prompt source.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": asdict(settings), "prompts": prompts}, indent=1))
+    return prompts
