@@ -2,6 +2,7 @@
 
     corpus.py        texts for token maps and prompt sets for generation (files, named sets, built-in instructions)
     instructions.py  the built-in set of MT-Bench-like instructions (writing, coding, math, ...)
+    magpie.py        prompts the target writes itself from its chat template (the source `magpie`)
     generate.py      the target's own answers to a prompt set, generated in batches by the Engine
     token_map.py     FR-Spec token maps: token frequencies, the top ids, coverage; EAGLE-3 d2t/t2d from ids
     draft_io.py      import EAGLE / EAGLE-3 drafts (EAGLE repo, SGLang, SpecForge, speculators), validate
