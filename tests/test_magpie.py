@@ -77,6 +77,9 @@ def test_gives_up_after_four_tries_a_prompt(monkeypatch):
     engine = types.SimpleNamespace(tokenizer=_Words())
     assert magpie.write_prompts(engine, 5, magpie.MagpieSettings("m"), group=8) == ["w1 w2 w3 w4"]
     assert firsts == [0, 8, 16]          # 20 tries in all, the last group cut to 4
+    _fake_generation(monkeypatch, [([1, 2, 3, 4], "length")] * 20)
+    with pytest.raises(ConvertError, match="no usable requests in 20 tries"):
+        magpie.write_prompts(engine, 5, magpie.MagpieSettings("m"), group=8)
 
 
 def test_training_data_reuses_the_stored_prompts(target, tmp_path, monkeypatch):

@@ -47,8 +47,8 @@ def user_turn_prefix(tokenizer) -> list[int]:
 
 def write_prompts(engine, count: int, settings: MagpieSettings, group: int,
                   on_kept: Optional[Callable[[int], None]] = None) -> list[str]:
-    """`count` distinct requests sampled from the target; fewer (and a warning from the caller) only
-    when four times as many samples did not yield enough."""
+    """`count` distinct requests sampled from the target; fewer (the caller warns) only when four times
+    as many samples did not yield enough, an error when none did."""
     prefix = user_turn_prefix(engine.tokenizer)
     gen = Generation(settings.max_new_tokens, settings.temperature, settings.seed, settings.top_p)
     kept: dict[str, None] = {}
@@ -64,6 +64,9 @@ def write_prompts(engine, count: int, settings: MagpieSettings, group: int,
             if on_kept:
                 on_kept(len(kept) - before)
         tried += batch
+    if not kept:
+        raise ConvertError(f"The target wrote no usable requests in {tried} tries (each must end before "
+                           f"{settings.max_new_tokens} tokens and have {_MIN_WORDS}+ words); use another prompt source.")
     return list(kept)
 
 
@@ -76,9 +79,6 @@ def cached_prompts(path: Path, count: int, settings: MagpieSettings, make_engine
         if stored.get("settings") == asdict(settings) and len(stored["prompts"]) >= count:
             return stored["prompts"][:count]
     prompts = write_prompts(make_engine(), count, settings, group, on_kept)
-    if not prompts:
-        raise ConvertError(f"The target wrote no usable requests in {4 * count} tries (each must end before "
-                           f"{settings.max_new_tokens} tokens and have {_MIN_WORDS}+ words); use another prompt source.")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"settings": asdict(settings), "prompts": prompts}, indent=1))
     return prompts
