@@ -244,7 +244,7 @@ def train_eagle3(
 ) -> None:
     """Train an EAGLE-3 head for a target, on CPU or GPU, and save it in the EAGLE-3 layout.
 
-    The target answers the prompts (on-policy data, as EAGLE-3 trains) while its three auxiliary hidden states are kept on disk; then the one-layer head learns with training-time test (draft steps unrolled over its own outputs). Checkpoints every --save-every steps; --resume continues; interrupted generation resumes by itself. The result serves with --algo EAGLE3 --draft OUTPUT.
+    The target answers the prompts (on-policy data, as EAGLE-3 trains; by default half of them written by the target itself, magpie, half the built-in instructions) while its three auxiliary hidden states are kept on disk; then the one-layer head learns with training-time test (draft steps unrolled over its own outputs). Checkpoints every --save-every steps; --resume continues; interrupted generation resumes by itself. The result serves with --algo EAGLE3 --draft OUTPUT.
 
     [bold]Examples[/bold]
       spec convert train-eagle3 --model smollm2-135m -o drafts/smollm2-eagle3 -n 896 --time-budget 20 --eval-prompts 10
@@ -253,7 +253,7 @@ def train_eagle3(
     """
     from engine.convert.train_eagle3 import TrainOptions, train
 
-    opts = TrainOptions(model=model, output=output, prompts=tuple(prompts or ("gsm8k", "instructions")),
+    opts = TrainOptions(model=model, output=output, prompts=tuple(prompts or TrainOptions.prompts),
                         num_prompts=num_prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                         gen_batch=gen_batch, data_dir=data_dir, draft_vocab=draft_vocab, ttt_steps=ttt_steps,
                         epochs=epochs, max_steps=max_steps, time_budget=time_budget, batch_tokens=batch_tokens,

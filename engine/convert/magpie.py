@@ -40,7 +40,7 @@ def user_turn_prefix(tokenizer) -> list[int]:
     """Token ids of the chat template's text before a (first) user message's content."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConvertError("The prompt source magpie needs a chat model: this tokenizer has no chat template. "
-                           "Pass a prompt file or a named set (gsm8k, instructions, ...) instead.")
+                           "Pass a prompt file or a named set with --prompts (e.g. --prompts gsm8k --prompts instructions).")
     text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False)
     return tokenizer(text[:text.index(_MARK)], add_special_tokens=False)["input_ids"]
 

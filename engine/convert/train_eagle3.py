@@ -43,7 +43,7 @@ _BUCKET = 64
 class TrainOptions:
     model: str
     output: Path
-    prompts: tuple[str, ...] = ("gsm8k", "instructions")
+    prompts: tuple[str, ...] = ("magpie", "instructions")   # measured best on MT-Bench (docs/convert.md)
     num_prompts: int = 1024
     max_new_tokens: int = 256
     temperature: float = 0.0
