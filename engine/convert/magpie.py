@@ -39,8 +39,8 @@ def share(sources: Sequence[str], num_prompts: Optional[int]) -> int:
 def user_turn_prefix(tokenizer) -> list[int]:
     """Token ids of the chat template's text before a (first) user message's content."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ConvertError("The prompt source magpie needs a chat model: this tokenizer has no chat template. "
-                           "Pass a prompt file or a named set with --prompts (e.g. --prompts gsm8k --prompts instructions).")
+        raise ConvertError("The prompt source magpie needs a chat model: this tokenizer has no chat template. Pass "
+                           "a prompt file or a named set with --prompts (e.g. --prompts gsm8k --prompts instructions).")
     text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False)
     return tokenizer(text[:text.index(_MARK)], add_special_tokens=False)["input_ids"]
 
@@ -66,7 +66,8 @@ def write_prompts(engine, count: int, settings: MagpieSettings, group: int,
         tried += batch
     if not kept:
         raise ConvertError(f"The target wrote no usable requests in {tried} tries (each must end before "
-                           f"{settings.max_new_tokens} tokens and have {_MIN_WORDS}+ words); use another prompt source.")
+                           f"{settings.max_new_tokens} tokens and have {_MIN_WORDS}+ words); use another prompt "
+                           "source.")
     return list(kept)
 
 
