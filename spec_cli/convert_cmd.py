@@ -90,12 +90,10 @@ def token_map(
 
         torch.set_num_threads(threads)
     if from_generations:
-        from engine import Engine
         from engine.convert.corpus import load_prompts
-        from engine.convert.generate import Generation
+        from engine.convert.generate import Generation, generation_engine
 
-        engine = Engine(model_path=model, dtype=dtype, device=device, disable_radix_cache=True,
-                        max_running_requests=gen_batch, max_total_tokens=gen_batch * (max_new_tokens + 512))
+        engine = generation_engine(model, gen_batch, max_new_tokens, dtype, device)
         written = {}
         if magpie.MAGPIE in sources:
             count = magpie.share(sources, num_prompts)

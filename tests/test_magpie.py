@@ -13,8 +13,7 @@ import pytest
 from engine.convert import ConvertError, magpie
 from engine.convert.generate import chat_prompt_ids
 from engine.convert.train_eagle3 import Silent, _aux_layers, _data
-from engine.loader import load_config
-from engine.loader import load_tokenizer
+from engine.loader import load_config, load_tokenizer
 from tests.test_train_eagle3 import options, write_prompts
 
 

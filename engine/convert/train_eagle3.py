@@ -30,7 +30,7 @@ import torch
 
 from engine.convert import ConvertError, magpie
 from engine.convert.eagle3_data import DataSpec, Sample, generate_data, load_samples, prompts_digest
-from engine.convert.generate import Generation, chat_prompt_ids
+from engine.convert.generate import Generation, chat_prompt_ids, generation_engine
 from engine.convert.token_map import build_token_map, chat_special_ids, count_ids, coverage, eagle3_vocab
 from engine.convert.ttt import collate, unrolled_loss
 
@@ -175,7 +175,6 @@ def _aux_layers(config, target_dir) -> tuple[int, ...]:
 
 
 def _data(opts: TrainOptions, target_dir: Path, aux, device: str, progress: Progress) -> list[Sample]:
-    from engine import Engine
     from engine.convert.corpus import load_prompts
 
     engine = None
@@ -183,9 +182,7 @@ def _data(opts: TrainOptions, target_dir: Path, aux, device: str, progress: Prog
     def make_engine():
         nonlocal engine
         if engine is None:
-            engine = Engine(model_path=str(target_dir), dtype=opts.dtype, device=device, disable_radix_cache=True,
-                            max_running_requests=opts.gen_batch,
-                            max_total_tokens=opts.gen_batch * (opts.max_new_tokens + 512))
+            engine = generation_engine(str(target_dir), opts.gen_batch, opts.max_new_tokens, opts.dtype, device)
         return engine
 
     written = {}
