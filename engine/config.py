@@ -46,8 +46,9 @@ class ServerArgs:
         "Tokenizer source if it differs from the model's."))
     revision: Optional[str] = field(default=None, metadata=opt("Hub revision (branch, tag or commit) of the model."))
     dtype: str = field(default="auto", metadata=opt(
-        "Weight and activation dtype. auto: the checkpoint's dtype on GPU; on CPU float32 for float32 "
-        "checkpoints and bfloat16 otherwise.", choices=("auto", "float32", "bfloat16", "float16")))
+        "Weight and activation dtype. auto: the checkpoint's dtype on GPU; on CPU bfloat16 for half-precision "
+        "checkpoints where the CPU has native bf16 (AMX, AVX-512-BF16), float32 otherwise.",
+        choices=("auto", "float32", "bfloat16", "float16")))
     device: str = field(default="auto", metadata=opt(
         "Where to run: auto picks cuda when available, else cpu.", choices=("auto", "cpu", "cuda")))
     context_length: Optional[int] = field(default=None, metadata=opt(

@@ -14,7 +14,7 @@ from engine.errors import ConfigError, ModelLoadError
 from engine.forward_batch import ForwardItem, build_forward_batch
 from engine.memory.kv_pool import KVPool, ReqToTokenPool, TokenSlotAllocator
 from engine.models import model_class
-from engine.models.prepack import can_prepack
+from engine.models.prepack import can_prepack, native_bf16
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,9 @@ def resolve_dtype(name: str, config, device: str) -> torch.dtype:
     ckpt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     ckpt = _DTYPES.get(str(ckpt).replace("torch.", ""), torch.float32) if ckpt is not None else torch.float32
     if device == "cpu":
-        # fp16 matmuls are slow on CPU; bf16 has AMX/AVX-512 kernels and halves the memory read per token.
-        return torch.float32 if ckpt == torch.float32 else torch.bfloat16
+        # fp16 matmuls are slow on CPU; bf16 halves the memory read per token where the CPU computes it
+        # natively (AMX / AVX-512-BF16), and is several times slower than fp32 where it does not.
+        return torch.bfloat16 if ckpt != torch.float32 and native_bf16(device) else torch.float32
     return ckpt
 
 

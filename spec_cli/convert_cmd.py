@@ -228,8 +228,10 @@ def train_eagle3(
                                             help="Steps between checkpoints (each also a servable head).")] = 50,
     resume: Annotated[bool, typer.Option("--resume", rich_help_panel=TRAIN,
                                          help="Continue from OUTPUT/checkpoint.pt.")] = False,
-    precision: Annotated[Literal["bf16", "fp32"], typer.Option(
-        "--precision", rich_help_panel=TRAIN, help="Training compute: bf16 autocast (fast on recent CPUs and GPUs) or fp32.")] = "bf16",
+    precision: Annotated[Literal["auto", "bf16", "fp32"], typer.Option(
+        "--precision", rich_help_panel=TRAIN,
+        help="Training compute: bf16 autocast or fp32; auto: bf16 where it is native (CUDA, AMX or AVX-512-BF16 "
+             "CPUs), fp32 elsewhere (emulated bf16 is several times slower).")] = "auto",
     seed: Annotated[int, typer.Option("--seed", rich_help_panel=TRAIN, help="Seed for the data order and the init.")] = 0,
     eval_prompts: Annotated[int, typer.Option(
         "--eval-prompts", min=0, help="Afterwards, measure the accept length on this many --eval-dataset prompts.")] = 0,

@@ -47,3 +47,23 @@ def test_engine_prepacks_cpu_weights_and_decodes_the_same(tmp_path, dtype):
     # One request decodes on the one-row path, two together on the packed path.
     alone = [eng.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
     assert batched == alone and all(len(o) == 12 for o in alone)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_only_where_the_cpu_computes_it_natively(monkeypatch, native):
+    """dtype auto and training precision auto pick bf16 only where it is native: emulated bf16 linears
+    run several times slower than fp32 (AVX2-only CPUs)."""
+    import types
+
+    from engine import model_runner
+    from engine.convert import train_eagle3
+    from engine.models import prepack
+
+    monkeypatch.setattr(prepack, "native_bf16", lambda device: native)
+    monkeypatch.setattr(model_runner, "native_bf16", lambda device: native)
+    half = types.SimpleNamespace(dtype="bfloat16")
+    assert model_runner.resolve_dtype("auto", half, "cpu") == (torch.bfloat16 if native else torch.float32)
+    assert model_runner.resolve_dtype("auto", types.SimpleNamespace(dtype="float32"), "cpu") == torch.float32
+    assert model_runner.resolve_dtype("bfloat16", half, "cpu") == torch.bfloat16      # asked for: kept
+    assert train_eagle3.resolve_precision("auto", "cpu") == ("bf16" if native else "fp32")
+    assert train_eagle3.resolve_precision("fp32", "cpu") == "fp32"

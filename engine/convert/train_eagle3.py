@@ -8,7 +8,8 @@
    (so its first outputs already live in the target's output space), the rest initialised as Hugging Face
    initialises Llama. The target's embedding and lm_head stay frozen.
 4. Training (ttt.py): AdamW, linear warmup then cosine decay over the planned steps (or the time
-   budget, whichever ends first), gradient clipping, bf16 autocast by default; length-bucketed batches
+   budget, whichever ends first), gradient clipping, bf16 autocast where bf16 is native (fp32
+   elsewhere); length-bucketed batches
    of about `batch_tokens` fed positions. Every `save_every` steps a checkpoint (model, optimiser,
    position in the data) and a servable export are written; `resume` continues from the checkpoint.
 Output directory: config.json + model.safetensors (the head, as SpecForge writes it: fc, midlayer.*,
@@ -63,7 +64,7 @@ class TrainOptions:
     resume: bool = False
     device: str = "auto"
     dtype: str = "auto"                       # the target's dtype while generating and evaluating
-    precision: str = "bf16"                   # training compute: bf16 autocast, or fp32
+    precision: str = "auto"                   # training compute: bf16 autocast, fp32, or auto (bf16 where native)
     seed: int = 0
     eval_prompts: int = 0
     eval_dataset: str = "mt-bench"
@@ -339,6 +340,7 @@ class _Trainer:
                                            lr=self.opts.lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.steps_per_epoch = len(self._plan(0))
         opts = self.opts
+        self.precision = resolve_precision(opts.precision, self.device)
         epochs = opts.epochs if opts.epochs is not None or opts.max_steps or opts.time_budget else 4.0
         limits = ([math.ceil(epochs * self.steps_per_epoch)] if epochs is not None else []) + \
             ([opts.max_steps] if opts.max_steps else [])
@@ -377,11 +379,11 @@ class _Trainer:
         return self.opts.lr * 0.5 * (1 + math.cos(math.pi * min(self._progress(), 1.0)))
 
     def run(self, progress: Progress, save) -> None:
-        progress.phase(f"training ({self.steps_per_epoch} batches an epoch)", self._expected_total())
+        progress.phase(f"training ({self.steps_per_epoch} batches an epoch, {self.precision})", self._expected_total())
         progress.advance(self.step)
         self.draft.train()
         autocast = torch.autocast(device_type="cuda" if self.device.startswith("cuda") else "cpu",
-                                  dtype=torch.bfloat16, enabled=self.opts.precision == "bf16")
+                                  dtype=torch.bfloat16, enabled=self.precision == "bf16")
         plan = self._plan(self.epoch)
         while self._progress() < 1.0:
             if self.batch_in_epoch >= len(plan):
@@ -442,7 +444,8 @@ class _Trainer:
 
     def summary(self) -> dict:
         loss, step_loss, acc = self._means() if self.window else (float("nan"), [], [])
-        return {"steps": self.step, "epochs": round(self.epoch + self.batch_in_epoch / max(self.steps_per_epoch, 1), 2),
+        return {"precision": self.precision, "steps": self.step,
+                "epochs": round(self.epoch + self.batch_in_epoch / max(self.steps_per_epoch, 1), 2),
                 "training_s": round(self.elapsed, 1), "s_per_step": round(self.elapsed / max(self.step, 1), 3),
                 "final": {"loss": round(loss, 4), "step_loss": [round(x, 4) for x in step_loss],
                           "accuracy": [round(x, 4) for x in acc], "over_last_steps": len(self.window)},
@@ -458,6 +461,14 @@ class _Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         self.elapsed, self.history = state["elapsed"], state["history"]
+
+
+def resolve_precision(name: str, device: str) -> str:
+    from engine.models.prepack import native_bf16
+
+    if name != "auto":
+        return name
+    return "bf16" if native_bf16(device) else "fp32"
 
 
 def _mean(values: list[float]) -> float:

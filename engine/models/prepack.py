@@ -21,10 +21,19 @@ from torch import nn
 _MIN_PACKED_ROWS = {torch.float32: 2, torch.bfloat16: 0}   # fp32 GEMV stays on MKL
 
 
+def native_bf16(device: str) -> bool:
+    """Whether bf16 matmuls run on native instructions here: a CUDA device with bf16, or a CPU with
+    AVX-512-BF16 / AMX. Elsewhere they are emulated: on an AVX2-only CPU a bf16 linear ran at 20
+    GFLOPS against 180 in fp32 (2 cores, 1024 x 576 x 1536)."""
+    if device.startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def can_prepack(device: str, dtype: torch.dtype) -> bool:
     if device != "cpu" or dtype not in _MIN_PACKED_ROWS or not torch.backends.mkldnn.is_available():
         return False
-    return dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32 or native_bf16(device)
 
 
 class PrepackedLinear(nn.Module):
