@@ -82,6 +82,19 @@ def test_unrolled_training_is_the_served_draft(target, trained, tmp_path):
             torch.testing.assert_close(ours, plain, atol=1e-4, rtol=1e-4)
 
 
+def test_a_new_head_starts_from_the_deepest_auxiliary_state(target):
+    """fc passes the deepest of the three captured states through (the target's late residual stream),
+    whatever the order of the layer ids."""
+    config = load_config(target)
+    aux = (2, 3, 1)
+    embed, head, norm = _target_tensors(target, config)
+    draft = new_draft(make_draft_config(config, aux, 10), aux, 64, head[:10], norm, seed=0)
+    H = config.hidden_size
+    states = torch.randn(5, 3 * H)
+    with torch.no_grad():
+        torch.testing.assert_close(draft.fc(states), states[:, H:2 * H])
+
+
 def test_training_lowers_the_loss_and_saves_the_eagle3_layout(target, trained):
     root, _, report = trained
     history = report["history"]

@@ -5,8 +5,9 @@
 2. Vocabulary: the `draft_vocab` most frequent answer tokens (plus EOS and the chat template's special
    tokens) become the draft's own lm_head rows (d2t/t2d).
 3. Head: engine/models/eagle.py's Eagle3Draft, its final norm and lm_head rows copied from the target
-   (so its first outputs already live in the target's output space), the rest initialised as Hugging Face
-   initialises Llama. The target's embedding and lm_head stay frozen.
+   (so its first outputs already live in the target's output space), fc passing the deepest auxiliary
+   state through, the rest initialised as Hugging Face initialises Llama. The target's embedding and
+   lm_head stay frozen.
 4. Training (ttt.py): AdamW, linear warmup then cosine decay over the planned steps (or the time
    budget, whichever ends first), gradient clipping, bf16 autocast where bf16 is native (fp32
    elsewhere); length-bucketed batches
@@ -262,6 +263,11 @@ def new_draft(config, aux: Sequence[int], max_positions: int, head_rows: torch.T
                 module.weight.normal_(0.0, std)
         draft.lm_head.weight.copy_(head_rows)
         draft.norm.weight.copy_(norm)
+        # fc starts by passing the deepest auxiliary state through: the layer begins in the target's own late
+        # residual stream, where norm + lm_head already read a near-final distribution, not a random mix.
+        hidden, deepest = config.hidden_size, max(range(len(aux)), key=lambda i: aux[i])
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, deepest * hidden:(deepest + 1) * hidden] = torch.eye(hidden)
     draft.rotary.float()
     return draft
 
