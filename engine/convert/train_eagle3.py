@@ -10,8 +10,9 @@
    lm_head stay frozen.
 4. Training (ttt.py): AdamW, linear warmup then cosine decay over the planned steps (or the time
    budget, whichever ends first), gradient clipping, bf16 autocast where bf16 is native (fp32
-   elsewhere); length-bucketed batches of about `batch_tokens` fed positions. Every `save_every` steps a checkpoint (model, optimiser,
-   position in the data) and a servable export are written; `resume` continues from the checkpoint.
+   elsewhere); length-bucketed batches of about `batch_tokens` fed positions. Every `save_every` steps
+   a checkpoint (model, optimiser, position in the data) and a servable export are written; `resume`
+   continues from the checkpoint.
 Output directory: config.json + model.safetensors (the head, as SpecForge writes it: fc, midlayer.*,
 norm, lm_head, d2t, t2d), checkpoint.pt, training_report.json, data/ (unless data_dir says otherwise).
 """
