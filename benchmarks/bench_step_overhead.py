@@ -1,0 +1,143 @@
+"""Host time per decode step outside the model forward: what the engine itself costs per step.
+
+    python benchmarks/bench_step_overhead.py [--model smollm2-135m] [--batch-sizes 1,32] [--algos plain,NGRAM]
+    python benchmarks/bench_step_overhead.py --other-checkout ../old    # side by side with another commit
+
+Greedy, fp32, MT-Bench first turns through the chat template, `--max-new-tokens` each, all requests
+of a batch admitted together. Every decode step is timed as a whole (`Engine.step`) and, inside it, the
+time spent in the target model's forward and lm_head (the draft model's too, for model-based drafts);
+the rest is host time: scheduling, batch building, sampling, verification, bookkeeping. Printed per
+(algorithm, batch size): median step ms, median model ms, median host ms and its share of the step.
+
+With --other-checkout DIR the same measurement runs in a subprocess on DIR's engine (another commit's
+worktree), interleaved with this checkout's, case by case, so both see the same machine state.
+Run it alone: a second busy process on 2 cores skews every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+MT_BENCH = HERE.parent / "shared" / "datasets" / "mt_bench" / "question.jsonl"
+
+
+def prompts_for(tokenizer, n: int) -> list[list[int]]:
+    rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
+    out = []
+    for k in range(n):
+        msg = [{"role": "user", "content": rows[k % len(rows)]["turns"][0]}]
+        enc = tokenizer.apply_chat_template(msg, add_generation_prompt=True, tokenize=True)
+        out.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
+    return out
+
+
+def _timed(fn, acc: list):
+    def wrapper(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            acc[0] += time.perf_counter() - t
+    return wrapper
+
+
+def _models(eng) -> list:
+    """The target model, and a draft model where the algorithm has one (works on old and new engines)."""
+    models = [eng.runner.model]
+    worker = getattr(eng, "worker", None)
+    for holder in (getattr(worker, "drafter", None), worker):
+        draft = getattr(holder, "model", None) if holder is not None else None
+        if draft is not None and draft is not eng.runner.model:
+            models.append(draft)
+    return models
+
+
+def _decode_steps(eng) -> int:
+    stats = eng.stats() if callable(getattr(eng, "stats", None)) else eng.scheduler.stats
+    return stats["decode_steps"]
+
+
+def measure(model: str, algo: str, batch: int, max_new: int, threads: int) -> dict:
+    import torch
+
+    from engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(threads)
+    kw = {"speculative_algorithm": algo} if algo != "plain" else {}
+    eng = Engine(model_path=model, dtype="float32", max_total_tokens=64 * 1024, max_running_requests=max(batch, 1),
+                 **kw)
+    model_time = [0.0]
+    for m in _models(eng):
+        m.forward = _timed(m.forward, model_time)
+        if hasattr(m, "compute_logits"):
+            m.compute_logits = _timed(m.compute_logits, model_time)
+    params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+    prompts = prompts_for(eng.tokenizer, batch)
+    eng.generate(input_ids=prompts[0], sampling_params={**params, "max_new_tokens": 8})     # warm-up
+    reqs = [eng.make_request(p, SamplingParams.from_dict(params)) for p in prompts]
+    for r in reqs:
+        eng.add_request(r)
+    steps, models = [], []
+    while not all(r.finished for r in reqs):
+        before, model_time[0] = _decode_steps(eng), 0.0
+        t = time.perf_counter()
+        eng.step()
+        dt = time.perf_counter() - t
+        if _decode_steps(eng) > before:
+            steps.append(dt)
+            models.append(model_time[0])
+    host = [s - m for s, m in zip(steps, models)]
+    tokens = sum(len(r.output_ids) for r in reqs)
+    return {"algo": algo, "batch": batch, "steps": len(steps), "tokens": tokens,
+            "step_ms": 1e3 * statistics.median(steps), "model_ms": 1e3 * statistics.median(models),
+            "host_ms": 1e3 * statistics.median(host), "host_share": sum(host) / sum(steps)}
+
+
+def _run_child(checkout: Path, case: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(case)]
+    out = subprocess.run(cmd, env=env, cwd=checkout, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--batch-sizes", default="1,32")
+    ap.add_argument("--algos", default="plain,NGRAM")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--other-checkout", type=Path, help="another commit's worktree, measured interleaved")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(measure(**json.loads(a.child))))
+        return
+    import platform
+
+    flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx512", "amx"))}) \
+        if Path("/proc/cpuinfo").exists() else []
+    print(f"# {platform.processor() or platform.machine()}, {a.threads} threads, flags: {' '.join(flags)}")
+    print("| checkout | algo | batch | decode steps | step ms | model ms | host ms | host share |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for algo in a.algos.split(","):
+        for batch in map(int, a.batch_sizes.split(",")):
+            case = {"model": a.model, "algo": algo, "batch": batch, "max_new": a.max_new_tokens, "threads": a.threads}
+            runs = [("this", HERE)] + ([("other", a.other_checkout.resolve())] if a.other_checkout else [])
+            for name, checkout in runs:
+                r = _run_child(checkout, case)
+                print(f"| {name} | {algo} | {batch} | {r['steps']} | {r['step_ms']:.1f} | {r['model_ms']:.1f} | "
+                      f"{r['host_ms']:.1f} | {100 * r['host_share']:.0f}% |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
