@@ -95,7 +95,7 @@ def main() -> None:
                       **tree, **common)
     label = f"spec {spec.args.speculative_algorithm} {spec.args.speculative_tree}"
     runners[label] = spec_runner(spec, a.max_new_tokens)
-    accept[label] = lambda: spec.worker.stats.summary()["avg_spec_accept_length"]
+    accept[label] = lambda: spec.stats()["avg_spec_accept_length"]
     if a.mode == "standalone":
         from transformers import AutoModelForCausalLM
 

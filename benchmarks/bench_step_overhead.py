@@ -50,14 +50,13 @@ def _timed(fn, acc: list):
 
 
 def _models(eng) -> list:
-    """The target model, and a draft model where the algorithm has one (works on old and new engines)."""
-    models = [eng.runner.model]
-    worker = getattr(eng, "worker", None)
-    for holder in (getattr(worker, "drafter", None), worker):
-        draft = getattr(holder, "model", None) if holder is not None else None
-        if draft is not None and draft is not eng.runner.model:
-            models.append(draft)
-    return models
+    """The target model, and a draft model where the algorithm has one. A measurement reaches inside
+    the engine; the older layout (runner / worker attributes) is read too, for --other-checkout."""
+    if hasattr(eng, "_target"):
+        drafter = eng._scheduler.worker.drafter
+        return [eng._target.model] + ([drafter.model] if getattr(drafter, "model", None) is not None else [])
+    draft = getattr(eng.worker, "model", None)
+    return [eng.runner.model] + ([draft] if draft is not None else [])
 
 
 def _decode_steps(eng) -> int:

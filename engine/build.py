@@ -1,23 +1,37 @@
-"""Assembles an engine from ServerArgs: model source, tokenizer, runner, decode worker, scheduler."""
+"""Assembles an engine from ServerArgs: model source, config resolved once, target and draft models,
+the KV memory budget, the KV manager, the worker and the scheduler."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
-from engine.config import ServerArgs
+import torch
+from torch import nn
+
+from engine.config import MAX_SPECULATIVE_STEPS, ServerArgs
+from engine.errors import ConfigError
+from engine.memory.kv_manager import KVManager
+from engine.memory.kv_pool import KVPool
+from engine.model_runner import ModelRunner, kv_layout
 
 log = logging.getLogger(__name__)
+
+# Table rows beyond the running batch: retracted and chunk-prefilling requests can hold one meanwhile.
+_SPARE_ROWS = 8
 
 
 @dataclass
 class EngineParts:
+    args: ServerArgs              # resolved against the model
     model_dir: Path
     model_config: object
     tokenizer: object
-    runner: object
-    worker: object
+    kv: KVManager
+    target: ModelRunner
+    draft: Optional[nn.Module]
     scheduler: object
     eos_ids: list[int]
 
@@ -40,22 +54,80 @@ def eos_token_ids(model_dir: Path, config, tokenizer) -> list[int]:
     return flat
 
 
+def kv_budget_tokens(args: ServerArgs, device: str, weight_bytes: int, bytes_per_token: int) -> int:
+    """KV slots that fit --mem-fraction-static of the device's memory once the weights (target and
+    draft) are in, each slot holding the target's and the draft's K/V of one token."""
+    if args.max_total_tokens:
+        return args.max_total_tokens
+    if device == "cuda":
+        _, total = torch.cuda.mem_get_info()
+        fraction = args.mem_fraction_static or 0.88
+    else:
+        import psutil
+
+        total = psutil.virtual_memory().total
+        fraction = args.mem_fraction_static or 0.3
+    budget = int(total * fraction) - weight_bytes
+    if budget < 64 * bytes_per_token:
+        raise ConfigError(
+            f"The weights take {weight_bytes / 2**30:.2f} GiB (draft included), leaving no KV cache within "
+            f"--mem-fraction-static {fraction} of {total / 2**30:.1f} GiB. Raise --mem-fraction-static "
+            "or pass --max-total-tokens.")
+    return budget // bytes_per_token
+
+
+def model_bytes(model: Optional[nn.Module]) -> int:
+    if model is None:
+        return 0
+    return getattr(model, "weight_bytes", None) or sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def build_engine_parts(args: ServerArgs) -> EngineParts:
+    from engine.attention import create_backend
     from engine.loader import load_config, load_tokenizer, resolve_model_path
-    from engine.model_runner import ModelRunner
+    from engine.model_runner import load_model, resolve_device, resolve_dtype
     from engine.scheduler import Scheduler
-    from engine.speculative.factory import create_worker
+    from engine.speculative.factory import load_draft_model
 
     model_dir = resolve_model_path(args.model_path, args.revision)
-    config = load_config(model_dir)
+    config = load_config(model_dir, args.trust_remote_code)
     max_pos = getattr(config, "max_position_embeddings", None) or 4096
-    args.resolve_for_model(config.model_type, max_pos)
+    args = args.resolved(config.model_type, max_pos)
     if args.context_length > max_pos:
         log.warning("--context-length %d exceeds the model's max_position_embeddings %d; outputs past it "
                     "may degrade", args.context_length, max_pos)
-    tokenizer = load_tokenizer(args.tokenizer_path or model_dir)
-    runner = ModelRunner(args, model_dir, config)
+    tokenizer = load_tokenizer(args.tokenizer_path or model_dir, args.trust_remote_code)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, config, device)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    # Tree nodes sit up to MAX_SPECULATIVE_STEPS positions past the newest token.
+    max_positions = args.context_length + MAX_SPECULATIVE_STEPS
+    target = load_model(model_dir, config, dtype, device, max_positions)
+    draft = load_draft_model(args, target, model_dir, dtype, device, max_positions)
+
+    per_token = KVPool.bytes_per_token(*kv_layout(target), dtype)
+    if draft is not None:
+        per_token += KVPool.bytes_per_token(*kv_layout(draft), dtype)
+    slots = kv_budget_tokens(args, device, model_bytes(target) + model_bytes(draft), per_token)
+    max_running = args.max_running_requests or (256 if device == "cuda" else 32)
+    kv = KVManager(slots, max_running + _SPARE_ROWS, max_positions + 1, device, radix=not args.disable_radix_cache)
+    layers, heads, head_dim = kv_layout(target)
+    pool = KVPool(layers, slots, heads, head_dim, dtype, device)
+    runner = ModelRunner(target, pool, create_backend(args.attention_backend, device, pool))
     eos = eos_token_ids(model_dir, config, tokenizer)
-    worker = create_worker(args, runner, eos)
-    scheduler = Scheduler(args, runner, tokenizer, worker, eos)
-    return EngineParts(model_dir, config, tokenizer, runner, worker, scheduler, eos)
+    worker = build_worker(args, runner, kv, draft, eos)
+    scheduler = Scheduler(args, kv, worker, tokenizer, eos, args.context_length, max_running, device)
+    log.info("model %s: %s, %.0f MiB of weights%s; KV pool %d tokens (%.0f MiB)", model_dir, dtype,
+             model_bytes(target) / 2**20, f" + {model_bytes(draft) / 2**20:.0f} MiB draft" if draft is not None else "",
+             slots, slots * per_token / 2**20)
+    return EngineParts(args, model_dir, config, tokenizer, kv, runner, draft, scheduler, eos)
+
+
+def build_worker(args: ServerArgs, runner: ModelRunner, kv: KVManager, draft: Optional[nn.Module], eos_ids):
+    from engine.speculative.factory import create_drafter, uses_rejection
+    from engine.worker import Worker
+
+    drafter = create_drafter(args, draft, runner.model, kv.capacity, kv.table.shape[0], kv.table, eos_ids)
+    tokens = args.speculative_num_draft_tokens if drafter else 1
+    return Worker(runner, kv.table, eos_ids, drafter, tokens, uses_rejection(args))

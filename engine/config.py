@@ -4,8 +4,9 @@ The CLI (`spec serve`, `spec bench`, `spec tune`), the HTTP server, `--config FI
 `Engine(**kwargs)` all build a ServerArgs; nothing else defines a flag or a default. Each field's
 metadata names its CLI flag(s), help text and help group, so the CLI is generated from this class.
 
-Checks that need only the flags run in `__post_init__` (before any weight loads); choices that depend
-on the model (context length, speculative tree defaults) are made by `resolve_for_model`.
+A ServerArgs is immutable. Checks that need only the flags run in `__post_init__` (before any weight
+loads); choices that depend on the model (context length, speculative tree defaults) are made once, by
+`resolved`, which returns the model-resolved copy the engine runs with.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
 # (steps, topk, draft tokens) when none are given: SGLang's auto choice.
 AUTO_TREE_LLAMA = (5, 4, 8)
 AUTO_TREE_OTHER = (3, 1, 4)
+# The deepest draft a tree may have: positions run this far past the context length while verifying.
+MAX_SPECULATIVE_STEPS = 32
 
 
 def opt(help: str, *, flags: tuple[str, ...] = (), group: str = "Model", choices: tuple[str, ...] = ()):
@@ -35,7 +38,7 @@ def opt(help: str, *, flags: tuple[str, ...] = (), group: str = "Model", choices
     return {"help": help, "flags": flags, "group": group, "choices": choices}
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerArgs:
     # --- Model -------------------------------------------------------------------------------------
     model_path: str = field(default=DEFAULT_MODEL, metadata=opt(
@@ -196,7 +199,7 @@ class ServerArgs:
         if algo not in SPECULATIVE_ALGORITHMS:
             raise ConfigError(f"Unknown --speculative-algorithm {self.speculative_algorithm!r}; "
                               f"choose one of {', '.join(SPECULATIVE_ALGORITHMS)} (NEXTN = MTP).")
-        self.speculative_algorithm = algo
+        object.__setattr__(self, "speculative_algorithm", algo)
         if algo in DRAFT_MODEL_ALGORITHMS and not self.speculative_draft_model_path:
             raise ConfigError(f"--speculative-algorithm {algo} needs a draft model: pass "
                               "--speculative-draft-model-path (alias --draft).")
@@ -222,22 +225,24 @@ class ServerArgs:
         if topk > 1 and self.speculative_sampling == "rejection":
             raise ConfigError("--speculative-sampling rejection works on chains: set --speculative-eagle-topk 1, "
                               "or use tree (or auto) for trees.")
-        if steps > 32 or draft_tokens > 256:
+        if steps > MAX_SPECULATIVE_STEPS or draft_tokens > 256:
             raise ConfigError(f"A tree of depth {steps} and {draft_tokens} tokens is far past any useful size "
-                              "(at most 32 steps and 256 draft tokens); typical trees are 3-8 steps, 4-64 tokens.")
+                              f"(at most {MAX_SPECULATIVE_STEPS} steps and 256 draft tokens); typical trees are 3-8 "
+                              "steps, 4-64 tokens.")
         if draft_tokens < 2:
             raise ConfigError("--speculative-num-draft-tokens must be at least 2 (the root and one draft token).")
 
     # ---------------------------------------------------------------------------------------------
-    def resolve_for_model(self, model_type: str, max_position_embeddings: int) -> None:
-        """Fill the auto choices that depend on the target model (called before any weight loads)."""
+    def resolved(self, model_type: str, max_position_embeddings: int) -> "ServerArgs":
+        """A copy with the auto choices that depend on the target model filled in (before any weight loads)."""
+        changes: dict[str, Any] = {}
         if self.context_length is None:
-            self.context_length = max_position_embeddings
+            changes["context_length"] = max_position_embeddings
         if self.speculative_algorithm and self.speculative_num_steps is None:
             llama = model_type in ("llama", "mistral")
-            steps, topk, tokens = AUTO_TREE_LLAMA if llama else AUTO_TREE_OTHER
-            self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = steps, topk, tokens
-            self._check_tree(steps, topk, tokens)
+            changes.update(zip(("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"),
+                               AUTO_TREE_LLAMA if llama else AUTO_TREE_OTHER))
+        return dataclasses.replace(self, **changes) if changes else self
 
     def prefill_chunk(self, device: str) -> int:
         """Most prompt tokens one request feeds per prefill step (the whole budget when not chunking)."""

@@ -11,17 +11,18 @@ from typing import Sequence
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
+                 start: int = 0):
         self.tokenizer = tokenizer
         self.kwargs = {"skip_special_tokens": skip_special_tokens}
         if not spaces_between_special_tokens:
             self.kwargs["spaces_between_special_tokens"] = False
-        self.prefix_offset = 0
-        self.read_offset = 0
+        self.prefix_offset = start          # ids before `start` (a prompt) are never decoded
+        self.read_offset = start
 
     def step(self, ids: Sequence[int], final: bool = False) -> str:
-        """The text that `ids` (all output ids so far) adds since the last call; "" while a character
-        is still incomplete, unless `final` (the request ended: flush what there is)."""
+        """The text that `ids` (all ids so far) adds since the last call; "" while a character is still
+        incomplete, unless `final` (the request ended: flush what there is)."""
         prefix_text = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset], **self.kwargs)
         full_text = self.tokenizer.decode(ids[self.prefix_offset:], **self.kwargs)
         if len(full_text) > len(prefix_text) and (final or not full_text.endswith("\ufffd")):

@@ -8,7 +8,8 @@
 `generate` takes one prompt or a list (or `input_ids`), returns one dict or a list of dicts with
 `text`, `output_ids` and `meta_info`; `stream=True` yields cumulative updates as tokens arrive. The
 engine steps its scheduler in the calling thread; the HTTP server drives the same `add_request` /
-`step` API from its own loop.
+`step` API from its own loop. This class is the whole surface the server, `spec bench` / `spec tune`
+and `spec convert` use: they never reach into the scheduler, worker or models.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from typing import Any, Iterator, Optional, Sequence, Union
 
 from engine.config import ServerArgs
-from engine.errors import RequestError
+from engine.errors import ConfigError, RequestError
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -29,19 +30,109 @@ log = logging.getLogger(__name__)
 Prompt = Union[str, Sequence[str], None]
 
 
+_SPECULATIVE_FIELDS = tuple(f.name for f in dataclasses.fields(ServerArgs) if f.name.startswith("speculative_"))
+
+
 class Engine:
     def __init__(self, server_args: Optional[ServerArgs] = None, **kwargs: Any):
         if server_args is not None and kwargs:
             raise TypeError("pass either server_args or keyword flags, not both")
-        self.args = server_args or ServerArgs.from_dict(kwargs)
         from engine.build import build_engine_parts
 
-        parts = build_engine_parts(self.args)
+        parts = build_engine_parts(server_args or ServerArgs.from_dict(kwargs))
+        self.args = parts.args                  # resolved against the model: no "auto" left
         self.model_dir, self.model_config = parts.model_dir, parts.model_config
-        self.tokenizer, self.runner, self.scheduler = parts.tokenizer, parts.runner, parts.scheduler
-        self.worker, self.eos_ids = parts.worker, parts.eos_ids
+        self.tokenizer, self.eos_ids = parts.tokenizer, parts.eos_ids
+        self._kv, self._target, self._scheduler = parts.kv, parts.target, parts.scheduler
+        # Loaded drafters by what they draft with, so a new tree shape reuses the draft's weights.
+        drafter = self._scheduler.worker.drafter
+        self._drafters = {_draft_key(self.args): drafter} if drafter else {}
         self._ids = itertools.count()
         self._seeds = itertools.count()
+
+    # ------------------------------------------------------------------ figures
+    @property
+    def context_len(self) -> int:
+        return self.args.context_length
+
+    @property
+    def kv_capacity(self) -> int:
+        """KV slots in the pool: the most tokens all requests can hold at once."""
+        return self._kv.capacity
+
+    @property
+    def has_work(self) -> bool:
+        return self._scheduler.has_work
+
+    def stats(self) -> dict:
+        """Counters and gauges: steps, prefill and cached tokens, retractions, requests running and
+        waiting, KV use, and speculative acceptance when speculation is on."""
+        sched, kv = self._scheduler, self._kv
+        cached = kv.cached()
+        snap = {**sched.stats,
+                "num_running_reqs": len(sched.running) + (sched.prefilling is not None),
+                "num_waiting_reqs": len(sched.waiting),
+                "kv_tokens_total": kv.capacity,
+                "kv_tokens_cached": cached,
+                "kv_tokens_used": kv.capacity - kv.allocator.available() - cached}
+        if sched.spec_stats is not None:
+            snap.update(sched.spec_stats.summary())
+        return snap
+
+    # ------------------------------------------------------------------ reconfiguring, between requests
+    def set_speculative(self, **changes: Any) -> None:
+        """Switch speculative decoding (ServerArgs' speculative_* fields; speculative_algorithm=None is
+        plain decoding) without reloading the target. A draft already loaded for the same algorithm,
+        draft and token map is reused with the new tree shape; the prefix cache is emptied. Only
+        between requests."""
+        unknown = sorted(set(changes) - set(_SPECULATIVE_FIELDS))
+        if unknown:
+            raise ConfigError(f"set_speculative takes speculative_* options only; got {', '.join(unknown)}.")
+        if changes.get("speculative_algorithm", self.args.speculative_algorithm) is None:
+            changes = {**changes, "speculative_algorithm": None, "speculative_draft_model_path": None,
+                       "speculative_num_steps": None, "speculative_eagle_topk": None,
+                       "speculative_num_draft_tokens": None}
+        if self.has_work:
+            raise ConfigError("set_speculative runs between requests only; finish or abort the running ones first.")
+        max_pos = getattr(self.model_config, "max_position_embeddings", None) or 4096
+        args = dataclasses.replace(self.args, **changes).resolved(self.model_config.model_type, max_pos)
+        from engine.build import build_worker
+        from engine.speculative.factory import uses_rejection
+
+        key = _draft_key(args)
+        drafter = self._drafters.get(key)
+        if args.speculative_algorithm and drafter is None:
+            self._drafters = {}          # free the draft in use before loading another
+            worker = build_worker(args, self._target, self._kv, self._load_draft(args), self.eos_ids)
+            self._drafters[key] = worker.drafter
+        else:
+            if drafter is not None:
+                drafter.set_tree(args.speculative_tree, uses_rejection(args))
+            from engine.worker import Worker
+
+            worker = Worker(self._target, self._kv.table, self.eos_ids, drafter,
+                            args.speculative_num_draft_tokens if drafter else 1, uses_rejection(args))
+        worker.capture = self._scheduler.worker.capture
+        self._scheduler.set_worker(worker, args)
+        self.args = args
+
+    def _load_draft(self, args: ServerArgs):
+        from engine.config import MAX_SPECULATIVE_STEPS
+        from engine.speculative.factory import load_draft_model
+
+        model = self._target.model
+        return load_draft_model(args, model, self.model_dir, next(model.parameters()).dtype,
+                                str(self._kv.table.device), args.context_length + MAX_SPECULATIVE_STEPS)
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache (benchmarks that must not reuse another pass's prompts)."""
+        self._kv.flush()
+
+    def capture_hidden_states(self, layers: Sequence[int]) -> None:
+        """From now on every request keeps its positions' hidden states in `Request.captured`: the
+        inputs of `layers` (Hugging Face's hidden_states indices) and the final normed state, with the
+        argmax where logits were computed (training data for drafts). An empty sequence stops it."""
+        self._scheduler.worker.capture = tuple(layers)
 
     # ------------------------------------------------------------------ low-level API
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None) -> Request:
@@ -52,7 +143,7 @@ class Engine:
         bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise RequestError(f"input_ids must be token ids in [0, {vocab}); got {bad[0]!r}.")
-        context = self.runner.context_len
+        context = self.context_len
         if len(prompt_ids) >= context:
             raise RequestError(f"The prompt has {len(prompt_ids)} tokens but the context length is {context}; "
                                "shorten the prompt (or raise --context-length if the model allows).")
@@ -68,13 +159,14 @@ class Engine:
                 for k in range(params.n)]
 
     def add_request(self, req: Request) -> None:
-        self.scheduler.add(req)
+        self._scheduler.add(req)
 
     def step(self) -> list[Request]:
-        return self.scheduler.step()
+        """Run one step; return the requests that got tokens or finished."""
+        return self._scheduler.step()
 
     def abort(self, rid: str) -> Optional[Request]:
-        return self.scheduler.abort(rid)
+        return self._scheduler.abort(rid)
 
     # ------------------------------------------------------------------ SGLang-style API
     def generate(self, prompt: Prompt = None, sampling_params: Union[dict, Sequence[dict], None] = None,
@@ -95,8 +187,8 @@ class Engine:
         sent = {id(r): -1 for r in requests}
         while True:
             for req in self.step() if any(not r.finished for r in requests) else []:
-                if id(req) in sent and (len(req.output_ids) != sent[id(req)] or req.finished):
-                    sent[id(req)] = len(req.output_ids)
+                if id(req) in sent and (req.num_output != sent[id(req)] or req.finished):
+                    sent[id(req)] = req.num_output
                     yield self.output_dict(req, index=requests.index(req))
             if all(r.finished for r in requests):
                 return
@@ -125,8 +217,8 @@ class Engine:
     def output_dict(self, req: Request, index: Optional[int] = None) -> dict:
         meta = {
             "id": req.rid,
-            "prompt_tokens": len(req.prompt_ids),
-            "completion_tokens": len(req.output_ids),
+            "prompt_tokens": req.prompt_len,
+            "completion_tokens": req.num_output,
             "cached_tokens": req.cached_tokens,
             "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
             "e2e_latency": (req.finish_time or time.perf_counter()) - req.arrival,
@@ -134,30 +226,37 @@ class Engine:
         }
         if self.args.speculative_algorithm:
             meta["spec_verify_ct"] = req.spec_verify_ct
-            meta["spec_accept_length"] = len(req.output_ids) / req.spec_verify_ct if req.spec_verify_ct else None
+            meta["spec_accept_length"] = req.num_output / req.spec_verify_ct if req.spec_verify_ct else None
         text = req.text if req.finished else _hold_back_stop_prefix(req.text, req.params.stop)
-        out = {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+        out = {"text": text, "output_ids": req.output_ids, "meta_info": meta}
         if index is not None:
             out["index"] = index
         return out
 
     def get_server_info(self) -> dict:
         info = {"model_path": str(self.model_dir), **self.args.to_dict()}
-        info.update(self.scheduler.stats)
-        info["max_total_num_tokens"] = self.runner.allocator.size
+        info.update(self._scheduler.stats)
+        info["max_total_num_tokens"] = self.kv_capacity
         return info
 
     def shutdown(self) -> None:
         """Abort anything still queued or running and release the KV memory."""
-        for req in list(self.scheduler.waiting) + list(self.scheduler.running):
-            self.scheduler.abort(req.rid)
-        self.scheduler.step()
+        sched = self._scheduler
+        for req in list(sched.waiting) + list(sched.running) + ([sched.prefilling] if sched.prefilling else []):
+            sched.abort(req.rid)
+        sched.step()
 
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _draft_key(args: ServerArgs) -> tuple:
+    """What a loaded drafter drafts with: another tree shape can reuse it, nothing else can."""
+    return (args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_draft_model_revision,
+            args.speculative_token_map)
 
 
 def _hold_back_stop_prefix(text: str, stops: Sequence[str]) -> str:

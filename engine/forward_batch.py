@@ -1,8 +1,11 @@
-"""ForwardBatch: everything one model forward needs, as tensors. Built by the model runner.
+"""ForwardBatch: everything one model forward needs, as tensors.
 
-Every forward is an "extend": each request appends `extend_len` new tokens after `prefix_len` tokens
-whose KV is already cached. Prefill, chunked prefill, decode (extend_len 1) and speculative tree
-verification (extend_len = tree size, with a tree mask) are all this one shape.
+Every forward is an "extend": each request appends `extend_len` new tokens after the `prefix_len`
+positions its row of the request-to-token table already holds. Prefill, chunked prefill, decode
+(extend_len 1), tree verification and draft-tree expansion are all this one shape. A forward never
+writes the table (the KV manager alone does, when a step's tokens are committed): the new tokens' slots
+come with the batch, and so do `extra_slots`, scratch keys a request also sees after its prefix (the
+ancestors drafted at earlier depths of a draft tree).
 """
 
 from __future__ import annotations
@@ -16,14 +19,17 @@ import torch
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor        # [T] new tokens of all requests, request after request
-    positions: torch.Tensor        # [T] their positions (tree nodes: prefix length + depth)
+    positions: torch.Tensor        # [T] their positions
     out_slots: torch.Tensor        # [T] KV slots their K/V are written to
-    req_rows: torch.Tensor         # [B] rows of the req-to-token table
-    prefix_lens: list[int]         # [B] tokens already cached before this forward
+    table: torch.Tensor            # the request-to-token table, read only
+    rows: torch.Tensor             # [B] table rows
+    prefix_lens: list[int]         # [B] positions of each row visible to all its new tokens
     extend_lens: list[int]         # [B] new tokens per request
-    # Per request, None (causal among the new tokens) or a bool [n, n] mask: mask[i, j] = new token i
-    # may attend to new token j. A request always attends to its whole cached prefix.
-    custom_masks: Optional[list[Optional[torch.Tensor]]] = None
+    extra_slots: Optional[torch.Tensor] = None   # [sum(extra_lens)] scratch keys after each prefix
+    extra_lens: Optional[list[int]] = None
+    # [B, max(extend_lens), max(extra + extend)] bool: new token i sees tail key j, the tail being the
+    # extra keys then the new tokens. None: every extra key, and the new tokens causally.
+    masks: Optional[torch.Tensor] = None
     # Hidden states to return, by index in Hugging Face's `hidden_states` tuple (0 = embeddings, i = the
     # input of layer i); EAGLE-3 drafts read three of them.
     capture_hidden: tuple[int, ...] = ()
@@ -34,40 +40,36 @@ class ForwardBatch:
         return len(self.extend_lens)
 
     @property
-    def is_decode(self) -> bool:
-        return self.custom_masks is None and all(n == 1 for n in self.extend_lens)
+    def tail_lens(self) -> list[int]:
+        extra = self.extra_lens or [0] * self.batch_size
+        return [e + n for e, n in zip(extra, self.extend_lens)]
+
+    @property
+    def tail_slots(self) -> torch.Tensor:
+        """Each request's extra keys then its new tokens' slots, request after request."""
+        if self.extra_slots is None:
+            return self.out_slots
+        extra = self.extra_slots.split(self.extra_lens)
+        new = self.out_slots.split(self.extend_lens)
+        return torch.cat([t for pair in zip(extra, new) for t in pair])
 
 
-@dataclass
-class ForwardItem:
-    """One request's part of a forward: its new tokens and where their KV goes."""
-    row: int
-    prefix_len: int
-    token_ids: Sequence[int]
-    positions: Optional[Sequence[int]] = None   # default: prefix_len, prefix_len + 1, ...
-    mask: Optional[torch.Tensor] = None         # tree mask among the new tokens; None = causal
-
-
-def build_forward_batch(items: Sequence[ForwardItem], out_slots: torch.Tensor, table: torch.Tensor,
-                        capture_hidden: tuple[int, ...] = ()) -> ForwardBatch:
-    """Record each item's new KV slots in its row of the req-to-token `table` (in order, `out_slots`
-    holds them all) and lay the items out as one ForwardBatch on the table's device."""
+def make_batch(table: torch.Tensor, rows: Sequence[int], prefix_lens: Sequence[int], input_ids,
+               out_slots: torch.Tensor, extend_lens: Sequence[int], *, positions: Optional[torch.Tensor] = None,
+               extra_slots: Optional[torch.Tensor] = None, extra_lens: Optional[Sequence[int]] = None,
+               masks: Optional[torch.Tensor] = None, capture_hidden: tuple[int, ...] = ()) -> ForwardBatch:
+    """Lay a step's work out as one ForwardBatch on the table's device. `positions` default to the
+    positions right after each request's prefix and extra keys."""
     device = table.device
-    ids, pos, offset = [], [], 0
-    for it in items:
-        n = len(it.token_ids)
-        table[it.row, it.prefix_len:it.prefix_len + n] = out_slots[offset:offset + n].to(device)
-        ids.extend(it.token_ids)
-        pos.extend(it.positions if it.positions is not None else range(it.prefix_len, it.prefix_len + n))
-        offset += n
-    masks = [it.mask for it in items]
+    input_ids = torch.as_tensor(input_ids, dtype=torch.long).to(device)
+    if positions is None:
+        n = torch.tensor(list(extend_lens), device=device)
+        starts = torch.tensor([p + e for p, e in zip(prefix_lens, extra_lens or [0] * len(prefix_lens))], device=device)
+        offsets = n.cumsum(0) - n
+        positions = (starts - offsets).repeat_interleave(n, output_size=len(input_ids)) + \
+            torch.arange(len(input_ids), device=device)
     return ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=torch.tensor(pos, dtype=torch.long, device=device),
-        out_slots=out_slots.to(device),
-        req_rows=torch.tensor([it.row for it in items], dtype=torch.long),
-        prefix_lens=[it.prefix_len for it in items],
-        extend_lens=[len(it.token_ids) for it in items],
-        custom_masks=masks if any(m is not None for m in masks) else None,
-        capture_hidden=capture_hidden,
-    )
+        input_ids=input_ids, positions=positions.to(device), out_slots=out_slots.to(device), table=table,
+        rows=torch.tensor(list(rows), dtype=torch.long, device=device), prefix_lens=list(prefix_lens),
+        extend_lens=list(extend_lens), extra_slots=None if extra_slots is None else extra_slots.to(device),
+        extra_lens=None if extra_lens is None else list(extra_lens), masks=masks, capture_hidden=capture_hidden)

@@ -1,18 +1,18 @@
-"""ModelRunner: loads a model, owns its KV memory, and turns scheduled work into one forward pass."""
+"""ModelRunner: one model, its own K/V buffers and attention backend; turns a ForwardBatch into logits
+and hidden states on the model's device. Loading a target model is here too."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
+from torch import nn
 
-from engine.attention import create_backend
-from engine.config import ServerArgs
 from engine.errors import ConfigError, ModelLoadError
-from engine.forward_batch import ForwardItem, build_forward_batch
-from engine.memory.kv_pool import KVPool, ReqToTokenPool, TokenSlotAllocator
+from engine.forward_batch import ForwardBatch
+from engine.memory.kv_pool import KVPool
 from engine.models import model_class
 from engine.models.prepack import can_prepack, native_bf16
 
@@ -41,97 +41,58 @@ def resolve_dtype(name: str, config, device: str) -> torch.dtype:
     return ckpt
 
 
+def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions: int) -> nn.Module:
+    """Build the target architecture on `device` and load its weights; CPU linears are prepacked when
+    there is memory for it (engine/models/prepack.py). `model.weight_bytes` tells what it holds."""
+    from engine.loader import iter_weights
+
+    cls = model_class(config, str(model_dir))
+    with torch.device(device):
+        model = cls(config, max_positions=max_positions)
+    model.to(dtype)
+    # The rotary tables stay fp32 so positions far out keep their precision.
+    model.model.rotary.float()
+    try:
+        model.load_weights(iter_weights(model_dir))
+    except KeyError as exc:
+        raise ModelLoadError(f"{model_dir}: weights do not match the {config.architectures[0]} config: {exc.args[0]}. "
+                             "Pass a complete checkpoint.") from None
+    model.eval()
+    model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if can_prepack(device, dtype):
+        import psutil
+
+        # The packed copies about double the weights; without room for them, stay on F.linear.
+        if psutil.virtual_memory().available < 2 * model.weight_bytes:
+            log.warning("not enough free memory for prepacked CPU weights (%.0f MiB more); batched matmuls "
+                        "will be slower", model.weight_bytes / 2**20)
+        else:
+            model.weight_bytes += model.prepack()
+    return model
+
+
+def kv_layout(model: nn.Module) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of the K/V a model keeps per token."""
+    attn = model.attention
+    return getattr(model, "num_layers", 1), attn.num_kv_heads, attn.head_dim
+
+
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor                 # [R, V] fp32 for the requested rows
+    logits: Optional[torch.Tensor]       # [R, V] fp32 for the requested rows, on the device
     hidden: torch.Tensor                 # [T, H] final normed hidden states of all new tokens
     captured: dict[int, torch.Tensor]    # requested hidden states by index
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, model_dir, config, *, kv_pool_tokens: Optional[int] = None,
-                 max_requests: Optional[int] = None):
-        self.args = args
-        self.model_dir = model_dir
-        self.device = resolve_device(args.device)
-        self.config = config
-        self.dtype = resolve_dtype(args.dtype, config, self.device)
-        if args.num_threads:
-            torch.set_num_threads(args.num_threads)
-        self.context_len = args.context_length
-        cls = model_class(config, str(model_dir))
-        with torch.device(self.device):
-            model = cls(config, max_positions=self.context_len + 64)
-        model.to(self.dtype)
-        # The rotary tables stay fp32 so positions far out keep their precision.
-        model.model.rotary.float()
-        from engine.loader import iter_weights
+    def __init__(self, model: nn.Module, kv_pool: KVPool, backend):
+        self.model, self.kv_pool, self.backend = model, kv_pool, backend
 
-        try:
-            model.load_weights(iter_weights(model_dir))
-        except KeyError as exc:
-            raise ModelLoadError(f"{model_dir}: weights do not match the {config.architectures[0]} config: {exc.args[0]}. "
-                                 "Pass a complete checkpoint.") from None
-        self.model = model.eval()
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        if can_prepack(self.device, self.dtype):
-            self.weight_bytes += self._prepack()
-
-        attn = model.model.layers[0].self_attn
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
-        tokens = kv_pool_tokens or self._pool_tokens()
-        self.max_requests = max_requests or args.max_running_requests or (256 if self.device == "cuda" else 32)
-        self.kv_pool = KVPool(model.num_layers, tokens, self.num_kv_heads, self.head_dim, self.dtype, self.device)
-        self.allocator = TokenSlotAllocator(tokens)
-        # Spare rows: retracted and chunked requests can hold one while the batch is full.
-        self.req_to_token = ReqToTokenPool(self.max_requests + 8, self.context_len + 64 + (args.speculative_num_draft_tokens or 0),
-                                           self.device)
-        self.backend = create_backend(args.attention_backend, self.device, self.kv_pool, self.req_to_token)
-        log.info("model %s: %s, %.0f MiB of weights; KV pool %d tokens (%.0f MiB)", model_dir, self.dtype,
-                 self.weight_bytes / 2**20, tokens, tokens * self.kv_bytes_per_token / 2**20)
-
-    def _prepack(self) -> int:
-        import psutil
-
-        # The packed copies about double the weights; without room for them, stay on F.linear.
-        if psutil.virtual_memory().available < 2 * self.weight_bytes:
-            log.warning("not enough free memory for prepacked CPU weights (%.0f MiB more); batched matmuls "
-                        "will be slower", self.weight_bytes / 2**20)
-            return 0
-        return self.model.prepack()
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return KVPool.bytes_per_token(self.model.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
-
-    def _pool_tokens(self) -> int:
-        args = self.args
-        if args.max_total_tokens:
-            return args.max_total_tokens
-        if self.device == "cuda":
-            free, total = torch.cuda.mem_get_info()
-            fraction = args.mem_fraction_static or 0.88
-        else:
-            import psutil
-
-            total = psutil.virtual_memory().total
-            fraction = args.mem_fraction_static or 0.3
-        budget = int(total * fraction) - self.weight_bytes
-        if budget < 64 * self.kv_bytes_per_token:
-            raise ConfigError(
-                f"The weights take {self.weight_bytes / 2**30:.2f} GiB, leaving no KV cache within "
-                f"--mem-fraction-static {fraction} of {total / 2**30:.1f} GiB. Raise --mem-fraction-static "
-                "or pass --max-total-tokens.")
-        return budget // self.kv_bytes_per_token
-
-    # ------------------------------------------------------------------------------------------
-    def forward(self, items: Sequence[ForwardItem], out_slots: torch.Tensor, logit_rows: torch.Tensor,
-                capture_hidden: tuple[int, ...] = ()) -> ForwardOutput:
-        """Run the model over every item's new tokens (their KV slots already allocated in
-        `out_slots`, in order) and return logits for the flat token indices `logit_rows`."""
-        batch = build_forward_batch(items, out_slots, self.req_to_token.table, capture_hidden)
+    def forward(self, batch: ForwardBatch, logit_rows: Optional[torch.Tensor] = None,
+                all_logits: bool = False) -> ForwardOutput:
+        """Run the model over the batch's new tokens; logits for the flat token indices `logit_rows`
+        (or for every token with `all_logits`)."""
         self.backend.prepare(batch)
-        with torch.inference_mode():
-            hidden, captured = self.model(batch.input_ids, batch.positions, batch, self.backend)
-            logits = self.model.compute_logits(hidden[logit_rows.to(self.device)])
-        return ForwardOutput(logits.cpu(), hidden, captured)
+        hidden, captured = self.model(batch.input_ids, batch.positions, batch, self.backend)
+        rows = hidden if all_logits else None if logit_rows is None else hidden[logit_rows]
+        return ForwardOutput(None if rows is None else self.model.compute_logits(rows), hidden, captured)

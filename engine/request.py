@@ -1,4 +1,4 @@
-"""Request: one generation's state, from arrival to finish. The scheduler and workers update it."""
+"""Request: one generation's state, from arrival to finish. Only the scheduler changes it."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 from typing import Optional
-
-import torch
 
 from engine.sampling_params import SamplingParams
 
@@ -36,16 +34,16 @@ class FinishReason:
 @dataclass(eq=False)
 class Request:
     rid: str
-    prompt_ids: list[int]
+    token_ids: list[int]                       # the prompt, then every generated token: one list
     params: SamplingParams
     seed: int                                  # the sampling seed in effect (request's or engine's)
-    output_ids: list[int] = field(default_factory=list)
+    prompt_len: int = -1                       # default: all of token_ids at construction
     status: Status = Status.WAITING
     finish_reason: Optional[FinishReason] = None
 
-    # KV state, owned by the scheduler.
-    row: Optional[int] = None                  # req-to-token table row while running
-    kv_len: int = 0                            # tokens whose KV is cached for this request
+    # KV state, changed by the scheduler through the KV manager.
+    row: Optional[int] = None                  # request-to-token table row while it holds KV
+    kv_len: int = 0                            # leading tokens whose KV is cached for this request
     prefix_len: int = 0                        # leading tokens shared from the radix cache
     radix_node: object = None                  # locked radix node holding that prefix
     cached_tokens: int = 0                     # prompt tokens served from the radix cache at admission
@@ -60,29 +58,39 @@ class Request:
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0              # draft tokens accepted (bonus tokens excluded)
 
+    # Hidden states kept per forward when the engine captures them (training-data generation):
+    # (first position, {layer index or "final": [n, H]}, argmax [n] with -1 where no logits were computed).
+    captured: list = field(default_factory=list, repr=False)
+
     # Timings (time.perf_counter()).
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     retractions: int = 0
 
+    def __post_init__(self):
+        if self.prompt_len < 0:
+            self.prompt_len = len(self.token_ids)
+
     @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[:self.prompt_len]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
 
     @property
     def seq_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids)
 
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
     def remaining_tokens(self) -> int:
-        return self.params.max_new_tokens - len(self.output_ids)
-
-    def uniform(self, position: int, stream: int = 0) -> float:
-        """A uniform number in [0, 1) fixed by (seed, output position, stream): sampling is reproducible
-        whatever the batching, preemption or speculation, and never depends on other requests."""
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + position * 8_191 + stream) % (2 ** 63))
-        return float(torch.rand((), generator=gen, dtype=torch.float64))
+        return self.params.max_new_tokens - self.num_output

@@ -1,106 +1,204 @@
-"""Logit processing and sampling, shared by plain decoding and speculative verification.
+"""Logit processing and sampling for a whole batch at once, on the logits' device.
 
-A row is one position to sample from: its logits plus the request's parameters and the token history
-its penalties count (prompt + output, plus a draft path when verifying). `target_probs` gives the exact
-distribution a row samples from; `sample` draws from it by inverse CDF with a caller-given uniform,
-so a request's randomness depends only on its seed and position.
+A row is one position to sample from. Rows come in runs, one run per request (one row in plain decoding,
+one per tree node in verification): `SamplingBatch` holds the requests' settings as tensors expanded to
+rows, with each row's depth below the request's newest token (a tree node's path of draft tokens counts
+towards penalties and min_new_tokens). `probs` gives the exact distribution a row samples from;
+`sample_from_probs` draws from it by inverse CDF with a uniform from `uniforms`, a counter-based hash of
+(seed, output position, stream), so a request's randomness depends only on its seed and position,
+never on batching, preemption or speculation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
 from engine.sampling_params import SamplingParams
 
 
-@dataclass
-class Row:
+class Sampled(Protocol):
+    """What sampling reads of a request (engine.request.Request has it)."""
     params: SamplingParams
-    prompt_ids: Sequence[int]
-    output_ids: Sequence[int]        # generated tokens before this position (a draft path included)
-    eos_ids: Sequence[int] = ()      # masked while fewer than min_new_tokens are out
+    token_ids: list[int]
+    prompt_len: int
+    seed: int
 
 
-def adjust_logits(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
-    """Penalties and min_new_tokens, applied to fp32 logits [N, V] (a new tensor when anything changes)."""
-    if not any(r.params.has_penalties or r.params.min_new_tokens for r in rows):
+@dataclass
+class PathTokens:
+    """Draft tokens on each tree node's path, for penalties: node i of request b has drafted
+    tokens[b, j] for every j > 0 with ancestors[b, i, j] (the root is the request's newest token)."""
+    ancestors: torch.Tensor      # [B, N, N] bool
+    tokens: torch.Tensor         # [B, N]
+
+
+class SamplingBatch:
+    def __init__(self, reqs: Sequence[Sampled], eos_ids: Sequence[int], device, *,
+                 rows_per_req: Optional[Sequence[int]] = None, depth: Optional[torch.Tensor] = None,
+                 paths: Optional[PathTokens] = None):
+        self.reqs, self.eos_ids, self.device = list(reqs), list(eos_ids), device
+        self.rows_per_req = list(rows_per_req) if rows_per_req is not None else [1] * len(reqs)
+        self.paths = paths
+        counts = torch.tensor(self.rows_per_req, device=device)
+        self.req_of = torch.repeat_interleave(torch.arange(len(reqs), device=device), counts)
+        self.depth = depth if depth is not None else torch.zeros_like(self.req_of)
+        params = [r.params for r in reqs]
+        self.all_greedy = all(p.greedy for p in params)
+        self.needs_adjust = any(p.has_penalties or p.min_new_tokens for p in params)
+        self._per_req: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ per-row settings
+    def _row(self, name: str, values, dtype) -> torch.Tensor:
+        if name not in self._per_req:
+            self._per_req[name] = torch.tensor(values, dtype=dtype, device=self.device)
+        return self._per_req[name][self.req_of]
+
+    @property
+    def greedy(self) -> torch.Tensor:
+        return self._row("greedy", [r.params.greedy for r in self.reqs], torch.bool)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Output position each row samples: the request's generated count plus the row's depth."""
+        return self._row("out", [len(r.token_ids) - r.prompt_len for r in self.reqs], torch.int64) + self.depth
+
+    def uniforms(self, stream) -> torch.Tensor:
+        """One uniform per row, at the row's output position."""
+        return uniforms(self._row("seed", [r.seed for r in self.reqs], torch.int64), self.positions, stream)
+
+    def request_uniforms(self, depth: torch.Tensor, stream) -> torch.Tensor:
+        """Uniforms per request at `depth` [B] or [B, K] tokens past its newest."""
+        self._row("seed", [r.seed for r in self.reqs], torch.int64)
+        self._row("out", [len(r.token_ids) - r.prompt_len for r in self.reqs], torch.int64)
+        shape = (-1,) + (1,) * (depth.dim() - 1)
+        seeds, out = self._per_req["seed"].view(shape), self._per_req["out"].view(shape)
+        return uniforms(seeds.expand_as(depth), out + depth, stream)
+
+    # ------------------------------------------------------------------ logits to distributions
+    def adjust(self, logits: torch.Tensor) -> torch.Tensor:
+        """Penalties and min_new_tokens on fp32 logits [R, V] (a new tensor when anything changes).
+        Python loops over the requests that use them only: they are rare, and per request anyway."""
+        logits = logits.float()
+        if not self.needs_adjust:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        start = 0
+        for b, (req, n) in enumerate(zip(self.reqs, self.rows_per_req)):
+            rows, start = slice(start, start + n), start + n
+            p = req.params
+            if not (p.has_penalties or p.min_new_tokens):
+                continue
+            seen, drafted = self._history(b, req, n, vocab)     # [n, V] counts over prompt+output, output
+            if p.repetition_penalty != 1.0:
+                # transformers' rule over prompt and output: shrink positive logits, grow negative ones.
+                vals = logits[rows]
+                hit = seen > 0
+                logits[rows] = torch.where(hit, torch.where(vals > 0, vals / p.repetition_penalty,
+                                                            vals * p.repetition_penalty), vals)
+            if p.frequency_penalty or p.presence_penalty:
+                # OpenAI's rule, over generated tokens only.
+                logits[rows] -= p.frequency_penalty * drafted + p.presence_penalty * (drafted > 0)
+            if p.min_new_tokens and not p.ignore_eos:
+                blocked = self.positions[rows] < p.min_new_tokens
+                ids = [t for t in self.eos_ids + list(p.stop_token_ids) if t < vocab]
+                if ids:
+                    sub = logits[rows]                                  # a view: written in place
+                    sub[:, ids] = torch.where(blocked[:, None], float("-inf"), sub[:, ids])
         return logits
-    logits = logits.clone()
-    vocab = logits.shape[-1]
-    for i, row in enumerate(rows):
-        p = row.params
-        if p.repetition_penalty != 1.0:
-            # transformers' rule over prompt and output: shrink positive logits, grow negative ones.
-            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long)
-            seen = seen[seen < vocab]
-            vals = logits[i, seen]
-            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.frequency_penalty or p.presence_penalty) and len(row.output_ids):
-            # OpenAI's rule, over generated tokens only.
-            counts = torch.bincount(torch.tensor(list(row.output_ids), dtype=torch.long), minlength=vocab)[:vocab]
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-        if len(row.output_ids) < p.min_new_tokens and not p.ignore_eos:
-            for t in list(row.eos_ids) + list(p.stop_token_ids):
-                if t < vocab:
-                    logits[i, t] = float("-inf")
-    return logits
+
+    def _history(self, b: int, req: Sampled, n: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token counts per row [n, V]: over prompt + output + path, and over output + path."""
+        ids = torch.tensor(req.token_ids, dtype=torch.long, device=self.device)
+        ids = ids[ids < vocab]
+        output = torch.tensor(req.token_ids[req.prompt_len:], dtype=torch.long, device=self.device)
+        output = output[output < vocab]
+        out_counts = torch.bincount(output, minlength=vocab)[:vocab].float().expand(n, vocab).clone()
+        if self.paths is not None and n > 1:
+            anc = self.paths.ancestors[b, :n, 1:n]                      # drafted ancestors, root excluded
+            node, j = anc.nonzero(as_tuple=True)
+            out_counts.index_put_((node, self.paths.tokens[b, 1:n][j]), torch.ones_like(node, dtype=torch.float),
+                                  accumulate=True)
+        seen = out_counts.clone()
+        seen[:, ids.unique()] += 1          # presence in prompt + output (repetition penalty only tests > 0)
+        return seen, out_counts
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution each row samples from [R, V]: greedy rows one-hot at the argmax; others
+        temperature, then top-k, top-p and min-p (SGLang's order), renormalised."""
+        logits = self.adjust(logits)
+        if self.all_greedy:
+            return _one_hot(logits.argmax(-1), logits.shape[-1])
+        vocab = logits.shape[-1]
+        temps = self._row("temp", [r.params.temperature if not r.params.greedy else 1.0 for r in self.reqs],
+                          torch.float32)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)
+        params = [r.params for r in self.reqs]
+        if any(0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0 for p in params if not p.greedy):
+            probs = self._truncate(probs, vocab)
+        greedy = self.greedy
+        return torch.where(greedy[:, None], _one_hot(logits.argmax(-1), vocab), probs)
+
+    def _truncate(self, probs: torch.Tensor, vocab: int) -> torch.Tensor:
+        top_k = self._row("top_k", [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in self.reqs],
+                          torch.int64)
+        top_p = self._row("top_p", [r.params.top_p for r in self.reqs], torch.float32)
+        min_p = self._row("min_p", [r.params.min_p for r in self.reqs], torch.float32)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=probs.device)[None, :]
+        keep = ranks < top_k[:, None]
+        sorted_probs = sorted_probs * keep
+        # top-p over the top-k distribution: a token goes once the mass ranked above it exceeds p.
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        keep &= mass_before <= top_p[:, None]
+        keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
+        keep[:, 0] = True
+        out = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
+        return out / out.sum(-1, keepdim=True)
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """Next token per row [R]: the argmax for greedy rows, a draw (stream 0) for the others."""
+        if self.all_greedy:
+            return self.adjust(logits).argmax(-1)
+        return sample_from_probs(self.probs(logits), self.uniforms(0))
 
 
-def target_probs(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
-    """The distribution each row samples from [N, V]: greedy rows are one-hot at the argmax; others
-    apply temperature, then top-k, top-p and min-p, then renormalise."""
-    logits = adjust_logits(logits.float(), rows)
-    probs = torch.empty_like(logits)
-    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-    if greedy:
-        idx = torch.tensor(greedy)
-        probs[idx] = 0.0
-        probs[idx, logits[idx].argmax(-1)] = 1.0
-    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if sampled:
-        idx = torch.tensor(sampled)
-        ps = [rows[i].params for i in sampled]
-        temps = torch.tensor([p.temperature for p in ps], dtype=torch.float32)[:, None]
-        probs[idx] = _truncate(torch.softmax(logits[idx] / temps, dim=-1), ps)
-    return probs
+def _one_hot(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.zeros((ids.shape[0], vocab), device=ids.device).scatter_(1, ids[:, None], 1.0)
 
 
-def _truncate(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """top-k, top-p and min-p filtering (in that order, as SGLang), then renormalisation."""
-    vocab = probs.shape[-1]
-    top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
-    top_p = [p.top_p for p in params]
-    min_p = [p.min_p for p in params]
-    if all(k >= vocab for k in top_k) and all(p >= 1.0 for p in top_p) and not any(min_p):
-        return probs
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab)[None, :]
-    keep = ranks < torch.tensor(top_k)[:, None]
-    sorted_probs = sorted_probs * keep
-    # top-p over the untruncated distribution: a token goes once the mass ranked above it exceeds p.
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    keep &= mass_before <= torch.tensor(top_p)[:, None]
-    keep &= sorted_probs >= torch.tensor(min_p)[:, None] * sorted_probs[:, :1]
-    keep[:, 0] = True
-    sorted_probs = sorted_probs * keep
-    out = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return out / out.sum(-1, keepdim=True)
-
-
-def sample_from_probs(probs: torch.Tensor, uniforms: Sequence[float]) -> torch.Tensor:
-    """Inverse-CDF draw per row with the given uniforms in [0, 1). Zero-probability tokens never come out."""
+def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw per row with uniforms u [R] in [0, 1). Zero-probability tokens never come out."""
     cdf = probs.double().cumsum(-1)
-    u = torch.tensor(uniforms, dtype=torch.float64)[:, None] * cdf[:, -1:]
-    ids = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    target = u.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:]
+    ids = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     last_nonzero = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
     return torch.minimum(ids, last_nonzero)
 
 
-def sample(logits: torch.Tensor, rows: Sequence[Row], uniforms: Sequence[float]) -> torch.Tensor:
-    """Next token per row [N]."""
-    if all(r.params.greedy for r in rows):
-        return adjust_logits(logits.float(), rows).argmax(-1)
-    return sample_from_probs(target_probs(logits, rows), uniforms)
+# ---------------------------------------------------------------------------------------- randomness
+# splitmix64 on int64 tensors: multiplication wraps modulo 2**64 as on uint64; a right shift is made
+# logical by masking the sign extension. The constants are splitmix64's, as signed int64.
+_GOLDEN = 0x9E3779B97F4A7C15 - 2 ** 64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2 ** 64
+_MIX2 = 0x94D049BB133111EB - 2 ** 64
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream) -> torch.Tensor:
+    """A uniform in [0, 1) per row (float64), fixed by (seed, output position, stream)."""
+    h = _mix(seeds.to(torch.int64) * _GOLDEN + positions.to(torch.int64))
+    h = _mix(h + (torch.as_tensor(stream, dtype=torch.int64, device=h.device) + 1) * _GOLDEN)
+    return _shr(h, 11).double() * 2.0 ** -53

@@ -175,7 +175,7 @@ def test_second_turn_follows_the_models_own_answer(model_dir, questions):
     from engine.engine import Engine
 
     engine = Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=4096)
-    backend = OfflineBackend(engine, "plain", engine.worker, engine.args, concurrency=2, max_new_tokens=8,
+    backend = OfflineBackend(engine, "plain", engine.args, concurrency=2, max_new_tokens=8,
                              temperature=0.0)
     [conv] = load_conversations(path=str(questions), num_prompts=1)
     turns = backend.run([dataclasses.replace(conv, max_new_tokens=8)], lambda *_: None).turns  # 8 tokens each

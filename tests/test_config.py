@@ -9,12 +9,19 @@ from engine.errors import ConfigError
 
 
 def test_auto_tree_depends_on_target_family():
-    llama = ServerArgs(speculative_algorithm="NGRAM")
-    llama.resolve_for_model("llama", 2048)
+    args = ServerArgs(speculative_algorithm="NGRAM")
+    llama = args.resolved("llama", 2048)
     assert llama.speculative_tree == (5, 4, 8) and llama.context_length == 2048
-    qwen = ServerArgs(speculative_algorithm="NGRAM")
-    qwen.resolve_for_model("qwen2", 4096)
+    assert args.speculative_tree == (None, None, None) and args.context_length is None    # unchanged
+    qwen = args.resolved("qwen2", 4096)
     assert qwen.speculative_tree == (3, 1, 4)
+
+
+def test_server_args_are_immutable():
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ServerArgs().port = 1
 
 
 def test_nextn_is_mtp_and_case_insensitive():

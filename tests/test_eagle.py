@@ -47,7 +47,7 @@ def plain(target):
 # ------------------------------------------------------------------------------------------------ loading
 @pytest.mark.parametrize("layout", ["repo", "sglang", "eagle3"])
 def test_layout_loads_as_published(plain, drafts, layout):
-    target_model = plain[0].runner.model
+    target_model = plain[0]._target.model
     algorithm = "EAGLE3" if layout == "eagle3" else "EAGLE"
     model = load_eagle_draft(algorithm, drafts[layout], target_model, max_positions=600,
                              dtype=torch.float32, device="cpu")
@@ -86,7 +86,7 @@ def test_eagle3_aux_layers():
 
 
 def test_bad_drafts_are_refused_clearly(plain, drafts, target, tmp_path):
-    target_model = plain[0].runner.model
+    target_model = plain[0]._target.model
 
     def load(algorithm, path):
         return load_eagle_draft(algorithm, path, target_model, max_positions=600, dtype=torch.float32, device="cpu")
@@ -195,62 +195,67 @@ class DenseDraft:
         return torch.stack(out)
 
 
+def drafter_of(eng):
+    return eng._scheduler.worker.drafter
+
+
 @pytest.mark.parametrize("layout,shape", [("EAGLE", CHAIN), ("EAGLE3", CHAIN), ("EAGLE", TREE), ("EAGLE3", TREE)])
 def test_draft_matches_plain_implementation(target, drafts, monkeypatch, layout, shape):
     """Root scores and every expanded node's scores equal the plain computation along the node's
-    path, after the prefill and again after a verification (catch-up on accepted tokens)."""
-    import engine.speculative.eagle as eagle_worker
+    path, after the prefill and again after each verification (catch-up on accepted tokens)."""
+    import engine.speculative.model_drafter as model_drafter
 
     draft_dir = drafts["repo" if layout == "EAGLE" else "eagle3"]
     eng = engine(target, layout, draft_dir, shape, chunked_prefill_size=8)     # prompt fed in chunks
-    dense = DenseDraft(target, draft_dir, layout, eng.worker.capture_hidden)
+    dense = DenseDraft(target, draft_dir, layout, drafter_of(eng).capture_hidden)
     calls = []
 
     def recording_search(roots, root_scores, expand, *args, **kw):
-        def recorded(frontiers):
-            scores = expand(frontiers)
-            calls[-1].append((frontiers, scores))
+        def recorded(depth, tokens, parents):
+            scores = expand(depth, tokens, parents)
+            calls[-1].append((tokens[0].tolist(), parents[0].tolist(), scores[0]))
             return scores
-        calls.append([(None, root_scores)])
-        return search_trees(roots, root_scores, recorded, *args, **kw)
+        calls.append([(None, None, root_scores[0])])
+        tree = search_trees(roots, root_scores, recorded, *args, **kw)
+        calls[-1].append(tree)
+        return tree
 
-    search_trees = eagle_worker.search_trees
-    monkeypatch.setattr(eagle_worker, "search_trees", recording_search)
+    search_trees = model_drafter.search_trees
+    monkeypatch.setattr(model_drafter, "search_trees", recording_search)
     req = eng.make_request(prompts(1, seed=7)[0] + [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], SamplingParams(**GREEDY))
     eng.add_request(req)
-    while req.kv_len < len(req.prompt_ids):
+    while req.kv_len < req.prompt_len:
         eng.step()                                  # prefill, chunk by chunk
     for _ in range(3):
-        committed = req.all_ids
-        tree = eng.worker.draft([req])[0]
-        (_, root_scores), *expansions = calls[-1]
-        torch.testing.assert_close(root_scores[0], dense.path_logits(committed, [])[0], atol=1e-4, rtol=1e-4)
+        committed = list(req.token_ids)
+        eng.step()                                  # draft, verify, commit, catch up
+        (_, _, root_scores), *expansions, tree = calls[-1]
+        torch.testing.assert_close(root_scores, dense.path_logits(committed, [])[0], atol=1e-4, rtol=1e-4)
         paths = [[]]                                # draft tokens from the root to each frontier node
-        for frontiers, scores in expansions:
-            f = frontiers[0]
-            paths = [paths[max(p, 0)] + [tok] for p, tok in zip(f.parents, f.tokens)]
+        for tokens, parents, scores in expansions:
+            paths = [paths[p] + [tok] for p, tok in zip(parents, tokens)]
             for path, row in zip(paths, scores):
                 torch.testing.assert_close(row, dense.path_logits(committed, path)[-1], atol=1e-4, rtol=1e-4)
         if shape[1] == 1:                           # greedy chain: argmax at every depth
-            expected = dense.path_logits(committed, tree.tokens[1:]).argmax(-1).tolist()
-            assert tree.tokens[1:] == expected[:-1]
-        eng.step()                                  # verify (drafts again inside), commit, catch up next time
+            drafted = tree.tokens[0, 1:].tolist()
+            assert drafted == dense.path_logits(committed, drafted).argmax(-1).tolist()[:-1]
 
 
-def test_radix_hit_starts_the_draft_context_after_the_cached_prefix(target, drafts):
-    """The target computes no features for a prefix served from the radix cache: the draft's context
-    starts after it, at its true positions."""
+def test_radix_hit_keeps_the_draft_context_of_the_cached_prefix(target, drafts):
+    """A prefix served from the radix cache is cached for the draft too (its KV shares the target's
+    slots): after the prefill of the rest, the draft's root state is the one computed over the whole
+    sequence from position 0."""
     eng = engine(target, "EAGLE3", drafts["eagle3"])
-    dense = DenseDraft(target, drafts["eagle3"], "EAGLE3", eng.worker.capture_hidden)
+    drafter = drafter_of(eng)
+    dense = DenseDraft(target, drafts["eagle3"], "EAGLE3", drafter.capture_hidden)
     base = prompts(1, seed=11)[0] + [20, 21, 22, 23]
     eng.generate(input_ids=base, sampling_params=dict(GREEDY, max_new_tokens=4))
     req = eng.make_request(base + [5, 6, 7], SamplingParams(**GREEDY))
     eng.add_request(req)
     eng.step()
-    state = eng.worker.states[req]
-    assert state.start == req.cached_tokens == len(base)
-    torch.testing.assert_close(eng.worker.model.logits(state.last[None])[0],
-                               dense.path_logits(req.all_ids, [], start=state.start)[0], atol=1e-4, rtol=1e-4)
+    assert req.cached_tokens == len(base) - 1       # pair keys: the cached position needs its next token
+    torch.testing.assert_close(drafter.model.logits(drafter.last[req.row][None])[0],
+                               dense.path_logits(req.token_ids, [])[0], atol=1e-4, rtol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------ end to end
@@ -261,7 +266,7 @@ def test_greedy_output_is_the_targets(plain, drafts, target, layout, tree):
     outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == expected
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
-    assert not eng.worker.states and eng.worker.allocator.available() == eng.worker.allocator.size
+    assert eng.stats()["kv_tokens_used"] == 0
 
 
 def test_repo_and_sglang_layouts_draft_alike(target, drafts):
@@ -289,8 +294,8 @@ def test_well_predicting_draft_is_accepted(tmp_path):
 
 
 def test_retraction_and_early_finish(drafts, target):
-    """Retractions (draft state dropped, prefilled again partly from the radix cache) and a request
-    finished by its prefill (left out of after_prefill) keep the output the target's."""
+    """Retractions (prefilled again partly from the radix cache, where the draft's cache is too) and a
+    request finished by its prefill keep the output the target's."""
     g = torch.Generator().manual_seed(6)
     batch = [torch.randint(3, 300, (int(torch.randint(10, 20, (1,), generator=g)),), generator=g).tolist()
              for _ in range(6)]
@@ -298,8 +303,8 @@ def test_retraction_and_early_finish(drafts, target):
     expected = [o["output_ids"] for o in engine(target).generate(input_ids=batch, sampling_params=params)]
     eng = engine(target, "EAGLE", drafts["repo"], max_total_tokens=120)
     assert [o["output_ids"] for o in eng.generate(input_ids=batch, sampling_params=params)] == expected
-    assert eng.scheduler.stats["retractions"] > 0
-    assert not eng.worker.states and eng.worker.allocator.available() == eng.worker.allocator.size
+    stats = eng.stats()
+    assert stats["retractions"] > 0 and stats["kv_tokens_used"] == 0
 
 
 def test_token_map_restricts_eagle_drafts(plain, drafts, target, tmp_path, caplog):
@@ -308,14 +313,15 @@ def test_token_map_restricts_eagle_drafts(plain, drafts, target, tmp_path, caplo
     torch.save(hot, tmp_path / "freq.pt")
     eng = engine(target, "EAGLE", drafts["repo"], TREE, speculative_token_map=str(tmp_path / "freq.pt"))
     drafted = set()
-    draft = eng.worker.draft
+    drafter = drafter_of(eng)
+    draft = drafter.draft
 
-    def spy(reqs):
-        trees = draft(reqs)
-        drafted.update(t for tree in trees for t in tree.tokens[1:])
+    def spy(step):
+        trees = draft(step)
+        drafted.update(trees.tokens[:, 1:].flatten().tolist())
         return trees
 
-    eng.worker.draft = spy
+    drafter.draft = spy
     assert [o["output_ids"] for o in eng.generate(input_ids=batch[:2], sampling_params=GREEDY)] == expected[:2]
     assert drafted and drafted <= set(hot)
     with caplog.at_level(logging.WARNING):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine import Engine, ModelLoadError, RequestError
-from engine.model_runner import ForwardItem
-from tests.tiny import make_model, reference_greedy
+from engine.forward_batch import make_batch
+from tests.tiny import make_model, reference_greedy, tiny_runner
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 
@@ -32,14 +32,12 @@ def test_logits_match_transformers(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
     model_dir = make_model(tmp_path, arch, tie=arch == "qwen2")
-    eng = engine(model_dir)
+    runner, kv = tiny_runner(model_dir)
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     a, b = prompts(2, seed=1)
-    runner = eng.runner
-    rows = [runner.req_to_token.alloc(), runner.req_to_token.alloc()]
-    slots = runner.allocator.alloc(len(a) + len(b))
-    out = runner.forward([ForwardItem(rows[0], 0, a), ForwardItem(rows[1], 0, b)], slots,
-                         torch.arange(len(a) + len(b)), capture_hidden=(1,))
+    batch = make_batch(kv.table, [0, 1], [0, 0], a + b, kv.alloc(len(a) + len(b)), [len(a), len(b)],
+                       capture_hidden=(1,))
+    out = runner.forward(batch, all_logits=True)
     with torch.no_grad():
         ref_a = ref(torch.tensor([a]), output_hidden_states=True)
         ref_b = ref(torch.tensor([b])).logits[0]
@@ -83,7 +81,7 @@ def test_chunked_prefill_same_output(llama_dir):
     chunked_eng = engine(llama_dir, chunked_prefill_size=7)
     chunked = chunked_eng.generate(input_ids=p, sampling_params=GREEDY)
     assert chunked["output_ids"] == plain["output_ids"]
-    assert chunked_eng.scheduler.stats["prefill_tokens"] == len(p)
+    assert chunked_eng.stats()["prefill_tokens"] == len(p)
 
 
 @pytest.mark.parametrize("radix", [True, False])
@@ -94,11 +92,12 @@ def test_preemption_under_tiny_kv_budget(llama_dir, radix):
     small = engine(llama_dir, max_total_tokens=120, disable_radix_cache=not radix)
     got = small.generate(input_ids=ps, sampling_params=params)
     assert [o["output_ids"] for o in got] == ref
-    assert small.scheduler.stats["retractions"] > 0
+    stats = small.stats()
+    assert stats["retractions"] > 0
     assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in got)
     # Every slot is back: in the free list or (radix on) in the prefix cache, none leaked.
-    radix_tokens = small.scheduler.radix.total_size() if radix else 0
-    assert small.runner.allocator.available() + radix_tokens == 120
+    assert stats["kv_tokens_used"] == 0 and stats["kv_tokens_total"] == 120
+    assert (stats["kv_tokens_cached"] > 0) == radix
 
 
 def test_request_too_large_for_pool_is_aborted_not_hung(llama_dir):
@@ -145,7 +144,7 @@ def test_eos_stops_unless_ignored(llama_dir):
     eng = engine(llama_dir)
     p = prompts(1, seed=11)[0]
     ids = eng.generate(input_ids=p, sampling_params=GREEDY)["output_ids"]
-    eng.scheduler.eos_ids = {ids[3]}          # pretend the 4th token is EOS
+    eng._scheduler.eos_ids = {ids[3]}          # pretend the 4th token is EOS
     out = eng.generate(input_ids=p, sampling_params={**GREEDY, "ignore_eos": False})
     assert out["output_ids"] == ids[:ids.index(ids[3]) + 1]
     assert out["meta_info"]["finish_reason"]["type"] == "stop"
@@ -193,3 +192,32 @@ def test_missing_model_and_unsupported_arch(tmp_path):
     make_tokenizer(tmp_path / "gpt2")
     with pytest.raises(ModelLoadError, match="not supported"):
         Engine(model_path=str(tmp_path / "gpt2"))
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64},
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rope_scaled_models_build_on_any_device(rope):
+    """Rotary tables are computed on the CPU and placed where the model is built: on the meta device
+    (as on a GPU) nothing mixes devices."""
+    import transformers
+
+    from engine.models.llama import LlamaForCausalLM
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=320, max_position_embeddings=512,
+                                      rope_scaling=rope)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions=512)
+    assert model.model.rotary.cos.device.type == "meta"
+    cpu = LlamaForCausalLM(config, max_positions=512).model.rotary
+    assert cpu.cos.shape == (512, 16) and torch.isfinite(cpu.cos).all()
+
+
+def test_memory_budget_counts_the_draft(llama_dir, tmp_path):
+    """--mem-fraction-static covers weights and KV of the target and the draft: with a draft (here the
+    target itself, twice the KV per token) the pool holds about half the tokens."""
+    alone = engine(llama_dir, max_total_tokens=None, mem_fraction_static=0.001)
+    with_draft = engine(llama_dir, max_total_tokens=None, mem_fraction_static=0.001,
+                        speculative_algorithm="STANDALONE", speculative_draft_model_path=str(llama_dir))
+    assert 0.45 < with_draft.kv_capacity / alone.kv_capacity < 0.5

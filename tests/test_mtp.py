@@ -50,7 +50,7 @@ def expected(models):
 def test_target_loads_as_without_its_mtp_layer(models, expected, layout):
     batch, outputs = expected
     eng = engine(models[layout][1])
-    assert eng.runner.model.num_layers == 2
+    assert eng._target.model.num_layers == 2
     assert [o["output_ids"] for o in eng.generate(input_ids=batch, sampling_params=GREEDY)] == outputs[layout]
 
 
@@ -114,22 +114,25 @@ def test_draft_matches_plain_implementation(models, layout):
     draft logits and the greedy chain (the layer fed its own outputs) are the plain computation's."""
     base, mtp_dir = models[layout]
     eng = engine(mtp_dir, "MTP", chunked_prefill_size=8)
-    assert isinstance(eng.worker.model, MtpDraft) and eng.worker.capture_hidden == ()
+    drafter = eng._scheduler.worker.drafter
+    assert isinstance(drafter.model, MtpDraft) and drafter.capture_hidden == ()
     plain = PlainMtp(base, mtp_dir, layout)
     req = eng.make_request(prompts(1, seed=7)[0] + [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], SamplingParams(**GREEDY))
     eng.add_request(req)
-    while req.kv_len < len(req.prompt_ids):
+    while req.kv_len < req.prompt_len:
         eng.step()
+    trees = []
+    draft = drafter.draft
+    drafter.draft = lambda step: trees.append(draft(step)) or trees[-1]
     for _ in range(3):
-        committed = req.all_ids
-        tree = eng.worker.draft([req])[0]
-        state = eng.worker.states[req]
-        expected = plain.path_logits(committed, tree.tokens[1:])
+        committed = list(req.token_ids)
         with torch.inference_mode():
-            root = eng.worker.model.logits(state.last[None])[0]
-        torch.testing.assert_close(root, expected[0], atol=1e-4, rtol=1e-4)
-        assert tree.tokens[1:] == expected.argmax(-1).tolist()[:-1]
+            root = drafter.model.logits(drafter.last[req.row][None])[0]
         eng.step()
+        drafted = trees[-1].tokens[0, 1:].tolist()
+        expected = plain.path_logits(committed, drafted)
+        torch.testing.assert_close(root, expected[0], atol=1e-4, rtol=1e-4)
+        assert drafted == expected.argmax(-1).tolist()[:-1]
 
 
 # ------------------------------------------------------------------------------------------------ end to end
@@ -140,7 +143,7 @@ def test_greedy_output_is_the_targets(models, expected, layout, tree):
     outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == outputs[layout]
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
-    assert not eng.worker.states and eng.worker.allocator.available() == eng.worker.allocator.size
+    assert eng.stats()["kv_tokens_used"] == 0
 
 
 @pytest.mark.parametrize("layout", ["mimo", "nextn"])
@@ -151,7 +154,7 @@ def test_separate_checkpoint_and_nextn_alias(models, expected, tmp_path, layout)
     base, mtp_dir = models[layout]
     draft = mtp_dir if layout == "mimo" else ckpt.save_nextn_export(tmp_path / "export", mtp_dir)
     eng = engine(base, "NEXTN", draft, TREE)
-    assert eng.args.speculative_algorithm == "MTP" and isinstance(eng.worker.model, MtpDraft)
+    assert eng.args.speculative_algorithm == "MTP" and isinstance(eng._scheduler.worker.drafter.model, MtpDraft)
     outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == outputs[layout]
     # The same layer as from the target's own checkpoint: the same drafts, so the same verify counts.
@@ -181,7 +184,7 @@ def test_target_without_mtp_layers_is_refused(models):
 
 def test_bad_mtp_checkpoints_are_refused(models, tmp_path):
     base, mtp_dir = models["nextn"]
-    target = engine(base).runner.model
+    target = engine(base)._target.model
 
     def load(path, own=False):
         return load_mtp_draft(path, target, own=own, max_positions=600, dtype=torch.float32, device="cpu")

@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
+from scipy.stats import chisquare
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import RequestError
-from engine.sampling import Row, adjust_logits, sample, sample_from_probs, target_probs
+from engine.sampling import SamplingBatch, sample_from_probs, uniforms
 from engine.sampling_params import SamplingParams
+from tests.tiny import target_probs
 
 LOGITS = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
 
 
 def probs_for(**kw) -> torch.Tensor:
-    return target_probs(LOGITS, [Row(SamplingParams(**kw), [], [])])[0]
+    return target_probs(LOGITS, SamplingParams(**kw), [])[0]
+
+
+def batch(params: SamplingParams, prompt, output, eos_ids=()) -> SamplingBatch:
+    req = SimpleNamespace(params=params, token_ids=list(prompt) + list(output), prompt_len=len(prompt), seed=0)
+    return SamplingBatch([req], list(eos_ids), "cpu")
 
 
 def test_plain_temperature_one_is_softmax():
@@ -41,32 +49,65 @@ def test_greedy_is_one_hot_argmax():
     ({"top_p": 0.75}, [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0]),
     ({"min_p": 0.5}, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),       # keep p >= 0.5 * 0.4
     ({"top_k": 3, "top_p": 0.5}, [0.4 / 0.7, 0.3 / 0.7, 0, 0]),
+    ({"top_k": 2 ** 40}, [0.4, 0.3, 0.2, 0.1]),            # larger than the vocabulary: no cut
 ])
 def test_truncation(kw, expected):
     torch.testing.assert_close(probs_for(**kw), torch.tensor(expected))
 
 
+def test_mixed_batch_rows_follow_their_own_settings():
+    reqs = [SimpleNamespace(params=SamplingParams(**kw), token_ids=[1], prompt_len=1, seed=0)
+            for kw in ({"temperature": 0}, {"top_k": 2}, {"temperature": 0.5})]
+    probs = SamplingBatch(reqs, [], "cpu").probs(LOGITS.expand(3, -1))
+    torch.testing.assert_close(probs, torch.stack([probs_for(temperature=0), probs_for(top_k=2),
+                                                   probs_for(temperature=0.5)]))
+
+
 def test_penalties():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
-    rep = adjust_logits(logits, [Row(SamplingParams(repetition_penalty=2.0), [0], [1])])
+    rep = batch(SamplingParams(repetition_penalty=2.0), [0], [1]).adjust(logits)
     torch.testing.assert_close(rep, torch.tensor([[1.0, -4.0, 1.0, 0.5]]))
-    freq = adjust_logits(logits, [Row(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [3], [2, 2, 0])])
+    freq = batch(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [3], [2, 2, 0]).adjust(logits)
     torch.testing.assert_close(freq, torch.tensor([[2.0 - 0.75, -2.0, 1.0 - 1.25, 0.5]]))
 
 
 def test_min_new_tokens_masks_eos():
-    row = Row(SamplingParams(min_new_tokens=2), [], [5], eos_ids=[0])
-    assert adjust_logits(LOGITS, [row])[0, 0] == -math.inf
-    assert sample(LOGITS, [Row(SamplingParams(min_new_tokens=2, temperature=0), [], [5], [0])], [0.0]).item() == 1
+    assert batch(SamplingParams(min_new_tokens=2), [], [5], eos_ids=[0]).adjust(LOGITS)[0, 0] == -math.inf
+    assert batch(SamplingParams(min_new_tokens=2, temperature=0), [], [5], eos_ids=[0]).sample(LOGITS).item() == 1
+    assert batch(SamplingParams(min_new_tokens=1, temperature=0), [], [5], eos_ids=[0]).sample(LOGITS).item() == 0
 
 
 def test_inverse_cdf_draw_follows_distribution():
     probs = torch.tensor([[0.5, 0.0, 0.25, 0.25]])
-    draws = [int(sample_from_probs(probs, [u])) for u in torch.linspace(0, 0.999, 400).tolist()]
-    counts = torch.bincount(torch.tensor(draws), minlength=4)
+    u = torch.linspace(0, 0.999, 400, dtype=torch.float64)
+    draws = sample_from_probs(probs.expand(400, -1), u)
+    counts = torch.bincount(draws, minlength=4)
     assert counts[1] == 0
     assert abs(counts[0].item() / 400 - 0.5) < 0.01 and abs(counts[2].item() / 400 - 0.25) < 0.01
-    assert int(sample_from_probs(torch.tensor([[0.3, 0.7, 0.0]]), [0.999999])) == 1
+    assert int(sample_from_probs(torch.tensor([[0.3, 0.7, 0.0]]), torch.tensor([0.999999]))) == 1
+
+
+def _splitmix_reference(seed: int, position: int, stream: int) -> float:
+    """The uniform hash in plain Python integers (mod 2**64), to pin the tensor version down."""
+    mask, golden = 2 ** 64 - 1, 0x9E3779B97F4A7C15
+
+    def mix(x):
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        return x ^ (x >> 31)
+
+    h = mix((seed * golden + position) & mask)
+    h = mix((h + (stream + 1) * golden) & mask)
+    return (h >> 11) * 2.0 ** -53
+
+
+def test_uniforms_are_a_fixed_hash_of_seed_position_stream():
+    seeds, pos = torch.tensor([0, 1, 2 ** 62, -5]), torch.tensor([0, 7, 3, 2 ** 40])
+    got = uniforms(seeds, pos, 3).tolist()
+    assert got == [_splitmix_reference(s % 2 ** 64, p, 3) for s, p in zip(seeds.tolist(), pos.tolist())]
+    many = uniforms(torch.zeros(20000, dtype=torch.long), torch.arange(20000), 0)
+    assert 0 <= many.min() and many.max() < 1 and abs(many.mean().item() - 0.5) < 0.01
+    assert chisquare(torch.histc(many.float(), 10, 0, 1).tolist()).pvalue > 0.001
 
 
 def test_sampling_params_validation_and_aliases():

@@ -1,6 +1,7 @@
 """STANDALONE speculative decoding: the EAGLE-2 tree search on a hand-computed example, greedy outputs
 identical to plain decoding over several tree shapes, full acceptance with the target as its own draft
-(also across retraction), FR-Spec maps, and draft/target vocabulary checks."""
+(also across retraction and across a radix-cached conversation turn: the draft shares the target's
+cache), FR-Spec maps, and draft/target vocabulary checks."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from engine import ConfigError, Engine
-from engine.speculative.draft_tree_search import Frontier, search_trees
+from engine.speculative.draft_tree_search import search_trees
 from tests.tiny import make_model, make_tokenizer
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
@@ -87,48 +88,55 @@ NEXT = {0: [0.05, 0.1, 0.6, 0.2, 0.05], 1: [0.9, 0.04, 0.03, 0.02, 0.01], 2: [0.
 
 
 def bigram_expand(calls: list):
-    def expand(frontiers: list[Frontier]) -> torch.Tensor:
-        calls.append(frontiers)
-        return torch.tensor([NEXT[t] for f in frontiers for t in f.tokens]).log()
+    def expand(depth: int, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        calls.append((depth, tokens.tolist(), parents.tolist()))
+        return torch.tensor([[NEXT[t] for t in row] for row in tokens.tolist()]).log()
     return expand
+
+
+def nodes(trees, b: int = 0) -> tuple[list[int], list[int]]:
+    return trees.tokens[b].tolist(), trees.parents[b].tolist()
 
 
 def test_tree_search_hand_computed():
     # Path probabilities: [0] .5, [1] .35, [1 0] .315, [0 2] .30, [1 0 2] .189, [0 2 3] .18, [0 3] .10,
     # [1 0 3] .063, [0 2 0] .06, [1 1] .014. Depth-2 frontier: [1 0], [0 2] (best two of four).
     calls: list = []
-    six, eight = [search_trees([9], torch.tensor([ROOT]).log(), bigram_expand(calls), 3, 2, n)[0] for n in (6, 8)]
+    six, eight = [search_trees(torch.tensor([9]), torch.tensor([ROOT]).log(), bigram_expand(calls), 3, 2, n)
+                  for n in (6, 8)]
     # Best five, breadth first, siblings by score.
-    assert six.tokens == [9, 0, 1, 0, 2, 2] and six.parents == [-1, 0, 0, 2, 1, 3]
-    assert eight.tokens == [9, 0, 1, 0, 2, 3, 2, 3] and eight.parents == [-1, 0, 0, 2, 1, 1, 3, 4]
-    assert six.draft_probs is None
-    depth1, depth2 = calls[:2]          # one call per forwarded depth, one Frontier per request
-    assert depth1 == [Frontier(1, [0, 1], [-1, -1])]
-    assert depth2 == [Frontier(2, [0, 2], [1, 0])]       # [1 0] comes from frontier node 1, [0 2] from node 0
+    assert nodes(six) == ([9, 0, 1, 0, 2, 2], [-1, 0, 0, 2, 1, 3])
+    assert nodes(eight) == ([9, 0, 1, 0, 2, 3, 2, 3], [-1, 0, 0, 2, 1, 1, 3, 4])
+    assert six.draft_probs is None and not six.is_chain and six.sizes == [6]
+    depth1, depth2 = calls[:2]          # one call per forwarded depth: (depth, tokens, parents' frontier index)
+    assert depth1 == (1, [[0, 1]], [[0, 0]])
+    assert depth2 == (2, [[0, 2]], [[1, 0]])       # [1 0] comes from frontier node 1, [0 2] from node 0
 
 
 def test_tree_search_chain_batch_and_impossible_tokens():
     roots = torch.tensor([ROOT, [0.0, 0.0, 1.0, 0.0, 0.0]]).log()     # second: only token 2 is possible
-    chain = search_trees([9, 9], roots, bigram_expand([]), 3, 1, 4)
-    assert [t.tokens for t in chain] == [[9, 0, 2, 3], [9, 2, 3, 0]]
-    # Batched search equals one search per request; a -inf token is never drafted.
-    both = search_trees([9, 9], roots, bigram_expand([]), 2, 2, 5)
-    alone = search_trees([9], roots[1:], bigram_expand([]), 2, 2, 5)[0]
-    assert both[1].tokens == alone.tokens and both[1].parents == alone.parents
-    assert both[1].tokens[1] == 2 and both[1].children[0] == [1]
+    chain = search_trees(torch.tensor([9, 9]), roots, bigram_expand([]), 3, 1, 4)
+    assert chain.tokens.tolist() == [[9, 0, 2, 3], [9, 2, 3, 0]] and chain.is_chain
+    # Batched search equals one search per request; possible tokens come before impossible ones, which
+    # only fill what is left (verification is exact whatever they are).
+    both = search_trees(torch.tensor([9, 9]), roots, bigram_expand([]), 2, 2, 5)
+    alone = search_trees(torch.tensor([9]), roots[1:], bigram_expand([]), 2, 2, 5)
+    assert nodes(both, 1) == nodes(alone)
+    tokens, parents = nodes(alone)
+    assert tokens[1] == 2 and [t for t, p in zip(tokens, parents) if p == 1] == [3, 0]
 
 
 def test_sampler_draws_chain_and_returns_its_distributions():
     seen = []
 
-    def sampler(depth: int, scores: torch.Tensor):
+    def draw(depth: int, scores: torch.Tensor):
         seen.append(depth)
-        q = torch.softmax(scores, -1)
-        return 4 - depth, q          # any token the distribution allows
+        return torch.tensor([4 - depth]), torch.softmax(scores, -1), torch.tensor([True])
 
-    tree = search_trees([9], torch.tensor([ROOT]).log(), bigram_expand([]), 2, 1, 3, [sampler])[0]
-    assert seen == [1, 2] and tree.tokens == [9, 3, 2]
-    torch.testing.assert_close(tree.draft_probs, torch.tensor([ROOT, NEXT[3]]).log().softmax(-1))
+    tree = search_trees(torch.tensor([9]), torch.tensor([ROOT]).log(), bigram_expand([]), 2, 1, 3, draw)
+    assert seen == [1, 2] and tree.tokens.tolist() == [[9, 3, 2]]
+    expected = torch.cat([torch.zeros(1, 5), torch.tensor([ROOT, NEXT[3]]).log().softmax(-1)])
+    torch.testing.assert_close(tree.draft_probs[0], expected)
 
 
 # ------------------------------------------------------------------ end to end
@@ -137,10 +145,9 @@ def test_greedy_identical_to_plain(target_dir, draft_dir, plain_outputs, tree):
     ps, ref = plain_outputs
     eng = engine(target_dir, draft_dir, tree)
     assert generate(eng, ps) == ref
-    stats = eng.worker.stats
-    assert 1.5 < stats.tokens / stats.verify_ct < tree[0] + 1      # real, partial acceptance
-    assert eng.worker.states == {}
-    assert eng.worker.draft_runner.allocator.available() == eng.worker.draft_runner.allocator.size
+    stats = eng.stats()
+    assert 1.5 < stats["avg_spec_accept_length"] < tree[0] + 1      # real, partial acceptance
+    assert stats["kv_tokens_used"] == 0
 
 
 def test_small_independent_draft(tmp_path, target_dir, plain_outputs):
@@ -154,8 +161,18 @@ def test_target_as_own_draft_accepts_everything(confident_dir, tree):
     ps = prompts(5, seed=1)
     eng = engine(confident_dir, confident_dir, tree)
     assert generate(eng, ps) == generate(engine(confident_dir), ps)
-    stats = eng.worker.stats
-    assert stats.tokens == stats.verify_ct * (tree[0] + 1)
+    assert eng.stats()["avg_spec_accept_length"] == tree[0] + 1
+
+
+def test_draft_keeps_its_context_across_a_radix_hit(confident_dir):
+    """Turn two extends turn one, which the radix cache holds: the draft's cache for that prefix is
+    shared with the target's, so the own-model draft is accepted whole from the first step."""
+    eng = engine(confident_dir, confident_dir, (3, 1, 4))
+    first_prompt = prompts(1, seed=3, lo=20, hi=21)[0]
+    first = eng.generate(input_ids=first_prompt, sampling_params=GREEDY)
+    second = eng.generate(input_ids=first_prompt + first["output_ids"] + [11, 12, 13], sampling_params=GREEDY)
+    assert second["meta_info"]["cached_tokens"] >= len(first_prompt) + len(first["output_ids"]) - 1
+    assert second["meta_info"]["spec_accept_length"] == 4
 
 
 @pytest.mark.parametrize("radix", [True, False])
@@ -165,11 +182,11 @@ def test_retraction_keeps_outputs_and_draft_state(confident_dir, radix):
     ref = generate(engine(confident_dir), ps, params)
     eng = engine(confident_dir, confident_dir, (3, 1, 4), max_total_tokens=100, disable_radix_cache=not radix)
     assert generate(eng, ps, params) == ref
-    assert eng.scheduler.stats["retractions"] > 0
-    # Full acceptance throughout: a re-admitted request's draft starts over from committed tokens only.
-    stats = eng.worker.stats
-    assert stats.tokens == stats.verify_ct * 4
-    assert eng.worker.states == {} and eng.worker.draft_runner.allocator.available() == 100
+    stats = eng.stats()
+    assert stats["retractions"] > 0
+    # Full acceptance throughout: a re-admitted request's draft has its cache for what is cached.
+    assert stats["avg_spec_accept_length"] == 4
+    assert stats["kv_tokens_used"] == 0
 
 
 def test_sampled_chain_uses_the_request_distribution(target_dir):
@@ -179,8 +196,7 @@ def test_sampled_chain_uses_the_request_distribution(target_dir):
     params = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "max_new_tokens": 32, "ignore_eos": True, "seed": 7}
     out = eng.generate(input_ids=prompts(3, seed=8), sampling_params=params)
     assert all(len(o["output_ids"]) == 32 for o in out)
-    stats = eng.worker.stats
-    assert stats.tokens / stats.verify_ct > 3.9
+    assert eng.stats()["avg_spec_accept_length"] > 3.9
 
 
 def test_token_map_restricts_drafts_keeps_output(tmp_path, target_dir, draft_dir, plain_outputs):
@@ -190,13 +206,15 @@ def test_token_map_restricts_drafts_keeps_output(tmp_path, target_dir, draft_dir
     torch.save(hot.tolist(), path)
     eng = engine(target_dir, draft_dir, (3, 2, 6), speculative_token_map=str(path))
     drafted = []
+    drafter = eng._scheduler.worker.drafter
+    draft = drafter.draft
 
-    def recording(reqs):
-        trees = type(eng.worker).draft(eng.worker, reqs)
-        drafted.extend(t for tree in trees for t in tree.tokens[1:])
+    def recording(step):
+        trees = draft(step)
+        drafted.extend(trees.tokens[:, 1:].flatten().tolist())
         return trees
 
-    eng.worker.draft = recording
+    drafter.draft = recording
     assert generate(eng, ps) == ref
     assert drafted and set(drafted) <= set(hot.tolist())
 
@@ -207,7 +225,7 @@ def test_full_token_map_with_own_draft_accepts_everything(tmp_path, target_dir, 
     torch.save(torch.randperm(320), path)
     eng = engine(target_dir, target_dir, (3, 1, 4), speculative_token_map=str(path))
     assert generate(eng, ps) == ref
-    assert eng.worker.stats.tokens == eng.worker.stats.verify_ct * 4
+    assert eng.stats()["avg_spec_accept_length"] == 4
 
 
 def test_vocabulary_checks(tmp_path, target_dir, plain_outputs):

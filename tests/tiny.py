@@ -92,3 +92,27 @@ def tiny_engine(model_dir, algorithm=None, draft=None, tree=(3, 1, 4), **kw):
         if draft:
             spec["speculative_draft_model_path"] = str(draft)
     return Engine(model_path=str(model_dir), dtype="float32", **{"max_total_tokens": 4096, **spec, **kw})
+
+
+def target_probs(logits, params, prompt, output=(), eos_ids=()):
+    """The distribution one request samples from after prompt + output, through the engine's sampling."""
+    from types import SimpleNamespace
+
+    from engine.sampling import SamplingBatch
+
+    req = SimpleNamespace(params=params, token_ids=list(prompt) + list(output), prompt_len=len(prompt), seed=0)
+    return SamplingBatch([req] * logits.shape[0], list(eos_ids), logits.device).probs(logits)
+
+
+def tiny_runner(model_dir, slots: int = 1024, rows: int = 8, dtype=torch.float32):
+    """A ModelRunner on a model directory with its own KV pool, and the KV manager whose table it reads."""
+    from engine.attention import create_backend
+    from engine.loader import load_config
+    from engine.memory.kv_manager import KVManager
+    from engine.memory.kv_pool import KVPool
+    from engine.model_runner import ModelRunner, kv_layout, load_model
+
+    model = load_model(model_dir, load_config(model_dir), dtype, "cpu", 512)
+    layers, heads, head_dim = kv_layout(model)
+    pool = KVPool(layers, slots, heads, head_dim, dtype, "cpu")
+    return ModelRunner(model, pool, create_backend("torch", "cpu", pool)), KVManager(slots, rows, 512, "cpu", radix=False)

@@ -1,7 +1,9 @@
 """Reference attention over the paged KV cache with torch's scaled_dot_product_attention.
 
 Runs on CPU and GPU. Requests are padded to one [B, max_new, max_kv] problem with an explicit boolean
-mask, so one SDPA call serves prefill, decode and tree verification alike.
+mask, so one SDPA call serves prefill, decode, tree verification and draft-tree expansion alike. A
+request's keys are its table row's first prefix_len slots, then its tail: extra (scratch) slots and
+its new tokens' slots. All of it is built with tensor ops, whatever the batch size.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend
 from engine.forward_batch import ForwardBatch
-from engine.memory.kv_pool import KVPool, ReqToTokenPool
+from engine.memory.kv_pool import KVPool
 
 
 @dataclass
 class _Metadata:
-    kv_index: torch.Tensor                 # [B, max_kv] slots to gather (0 pads)
+    kv_index: torch.Tensor                 # [B, max_kv] slots to gather (0 pads: slot 0 stays zero)
     mask: Optional[torch.Tensor]           # [B, 1, max_new, max_kv] bool, None when nothing is masked
     pad_index: Optional[torch.Tensor]      # [B * max_new] flat token per padded query row (T = a zero row)
     unpad_index: Optional[torch.Tensor]    # [T] padded row of each flat token
@@ -27,42 +29,47 @@ class _Metadata:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool):
+    def __init__(self, kv_pool: KVPool):
         self.kv_pool = kv_pool
-        self.req_to_token = req_to_token
 
     def prepare(self, batch: ForwardBatch) -> None:
-        B = batch.batch_size
-        new, prefix = batch.extend_lens, batch.prefix_lens
-        kv_lens = [p + n for p, n in zip(prefix, new)]
-        max_kv, max_new = max(kv_lens), max(new)
-        table = self.req_to_token.table
-        rows = batch.req_rows.to(table.device)
-        kv_index = table[rows, :max_kv].clone()
-        device = kv_index.device
+        B, device = batch.batch_size, batch.table.device
+        tail_lens = batch.tail_lens
+        kv_lens = [p + t for p, t in zip(batch.prefix_lens, tail_lens)]
+        max_kv, max_new, max_prefix = max(kv_lens), max(batch.extend_lens), max(batch.prefix_lens)
+        prefix = torch.tensor(batch.prefix_lens, device=device)
+        tail = torch.tensor(tail_lens, device=device)
+        kv_index = torch.zeros((B, max_kv), dtype=torch.long, device=device)
+        kv_index[:, :max_prefix] = batch.table[batch.rows, :max_prefix]
+        # Each request's tail goes right after its prefix.
+        b = torch.arange(B, device=device).repeat_interleave(tail, output_size=sum(tail_lens))
+        within = torch.arange(len(b), device=device) - (tail.cumsum(0) - tail)[b]
+        kv_index[b, prefix[b] + within] = batch.tail_slots
         key_pos = torch.arange(max_kv, device=device)
-        kv_len_t = torch.tensor(kv_lens, device=device)
-        kv_index[key_pos[None, :] >= kv_len_t[:, None]] = 0
+        kv_len = prefix + tail
+        kv_index = torch.where(key_pos[None, :] < kv_len[:, None], kv_index, 0)
 
-        if max_new == 1:
+        if max_new == 1 and batch.masks is None and batch.extra_slots is None:
             # Decode: one query per request; only the key padding needs masking.
-            mask = None if min(kv_lens) == max_kv else (key_pos[None, :] < kv_len_t[:, None])[:, None, None, :]
+            mask = None if min(kv_lens) == max_kv else (key_pos[None, :] < kv_len[:, None])[:, None, None, :]
             batch.attn = _Metadata(kv_index, mask, None, None, 1)
             return
 
-        mask = torch.zeros((B, max_new, max_kv), dtype=torch.bool, device=device)
-        for b in range(B):
-            p, n = prefix[b], new[b]
-            mask[b, :n, :p] = True
-            custom = batch.custom_masks[b] if batch.custom_masks else None
-            block = custom.to(device) if custom is not None else torch.ones((n, n), dtype=torch.bool, device=device).tril_()
-            mask[b, :n, p:p + n] = block
-            mask[b, n:, 0] = True  # padded query rows attend somewhere finite; their output is dropped
-        offsets = torch.tensor([0] + new, device=device).cumsum(0)
-        T = int(offsets[-1])
+        new = torch.tensor(batch.extend_lens, device=device)
         q_pos = torch.arange(max_new, device=device)
-        valid = q_pos[None, :] < torch.tensor(new, device=device)[:, None]        # [B, max_new]
-        pad_index = torch.where(valid, offsets[:-1, None] + q_pos[None, :], torch.full_like(valid, T, dtype=torch.long))
+        j = key_pos[None, None, :] - prefix[:, None, None]                           # tail index of a key
+        if batch.masks is None:
+            extra = tail - new
+            seen = j <= extra[:, None, None] + q_pos[None, :, None]                 # extra, then causal
+        else:
+            index = j.clamp(0, batch.masks.shape[-1] - 1).expand(B, max_new, max_kv)
+            seen = batch.masks.to(device).gather(2, index)
+        mask = (j < 0) | ((j < tail[:, None, None]) & seen)
+        valid = q_pos[None, :] < new[:, None]                                        # [B, max_new]
+        mask[:, :, 0] |= ~valid                 # padded query rows attend somewhere finite; dropped after
+        offsets = new.cumsum(0) - new
+        T = sum(batch.extend_lens)
+        pad_index = torch.where(valid, offsets[:, None] + q_pos[None, :], T)
         unpad_index = (torch.arange(B, device=device)[:, None] * max_new + q_pos[None, :])[valid]
         batch.attn = _Metadata(kv_index, mask[:, None], pad_index.flatten(), unpad_index, max_new)
 

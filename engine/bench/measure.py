@@ -45,14 +45,11 @@ class SpecCounts:
     at_depth: tuple[float, ...] = ()
 
     @classmethod
-    def from_stats(cls, stats) -> "SpecCounts":
-        """From a speculative worker's SpecStats."""
-        return cls(stats.verify_ct, stats.tokens, tuple(stats.accepted_at_depth))
-
-    @classmethod
     def from_server_info(cls, info: dict) -> Optional["SpecCounts"]:
-        """From /get_server_info (averages over the server's life, turned back into counts)."""
+        """From Engine.stats() or /get_server_info (averages, turned back into counts)."""
         ct, avg = info.get("spec_verify_ct"), info.get("avg_spec_accept_length")
+        if ct == 0:
+            return cls()                    # nothing verified yet
         if ct is None or avg is None:
             return None if avg is None else cls(1, avg, ())      # a server without counts: its average
         return cls(ct, avg * ct, tuple(p * ct for p in info.get("spec_accept_by_position") or ()))

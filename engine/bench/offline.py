@@ -1,15 +1,14 @@
 """Offline passes: conversations run in-process on an Engine, stepped from here.
 
-Several decode configurations share one Engine (target weights, KV pool, scheduler): a pass first
-installs its own decode worker (plain, or speculative with its tree shape) and empties the prefix cache,
-so no configuration reuses the prompts another one prefilled. Swapping is safe between passes only, when
-no request is running: a worker holds per-request draft state.
+Several decode configurations share one Engine (target weights, KV pool, scheduler, a loaded draft):
+a pass first switches the engine to its configuration (plain, or speculative with its tree shape) with
+Engine.set_speculative, which also empties the prefix cache, so no configuration reuses the prompts
+another one prefilled.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,30 +35,9 @@ def tree_args(args: ServerArgs, tree: tuple[int, int, int]) -> ServerArgs:
                                speculative_num_draft_tokens=tokens)
 
 
-def make_worker(engine, args: ServerArgs):
-    """A decode worker for `args` on the engine's runner. The engine's current worker is dropped first
-    (a draft model and its KV pool are freed before the next one loads)."""
-    from engine.speculative.factory import create_worker
-    from engine.worker import PlainWorker
-
-    if engine.runner.req_to_token.table.shape[1] < engine.runner.context_len + (args.speculative_num_draft_tokens or 0):
-        raise BenchError("The engine's request table is too narrow for this draft tree; build the engine with "
-                         "the largest --speculative-num-draft-tokens first.")
-    install_worker(engine, PlainWorker(engine.runner, engine.eos_ids), plain_args(args))
-    gc.collect()
-    return create_worker(args, engine.runner, engine.eos_ids)
-
-
-def install_worker(engine, worker, args: ServerArgs) -> None:
-    assert not engine.scheduler.has_work, "decode workers are swapped between passes only"
-    engine.worker = engine.scheduler.worker = worker
-    engine.args = args
-
-
-def flush_prefix_cache(engine) -> None:
-    radix = engine.scheduler.radix
-    if radix is not None:
-        radix.evict(radix.evictable_size())
+def speculative_options(args: ServerArgs) -> dict:
+    """The speculative_* options of `args`, as Engine.set_speculative takes them."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name.startswith("speculative_")}
 
 
 class ChatEncoder:
@@ -94,24 +72,22 @@ class _Live:
 
 
 class OfflineBackend:
-    def __init__(self, engine, name: str, worker, args: ServerArgs, *, concurrency: int, max_new_tokens: int,
+    def __init__(self, engine, name: str, args: ServerArgs, *, concurrency: int, max_new_tokens: int,
                  temperature: float):
-        self.engine, self.name, self.worker, self.args = engine, name, worker, args
+        self.engine, self.name, self.args = engine, name, args
         self.concurrency = concurrency
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.chat = ChatEncoder(engine.tokenizer)
 
     def _counts(self) -> Optional[SpecCounts]:
-        stats = getattr(self.worker, "stats", None)
-        return SpecCounts.from_stats(stats) if stats is not None else None
+        return SpecCounts.from_server_info(self.engine.stats()) if self.args.speculative_algorithm else None
 
     def run(self, conversations: Sequence[Conversation], on_turn: OnTurn) -> PassResult:
-        engine, sched = self.engine, self.engine.scheduler
-        install_worker(engine, self.worker, self.args)
-        flush_prefix_cache(engine)
+        engine = self.engine
+        engine.set_speculative(**speculative_options(self.args))
         before = self._counts()
         pending, live, results = deque(conversations), {}, []
-        decode_steps, decode_time = sched.stats["decode_steps"], 0.0
+        decode_steps, decode_time = engine.stats()["decode_steps"], 0.0
 
         def start(conv: Conversation, turn: int, history: list[dict]) -> None:
             messages = history + [{"role": "user", "content": conv.turns[turn]}]
@@ -124,20 +100,20 @@ class OfflineBackend:
         while pending or live:
             while pending and len(live) < self.concurrency:
                 start(pending.popleft(), 0, [])
-            steps = sched.stats["decode_steps"]
+            steps = engine.stats()["decode_steps"]
             t = time.perf_counter()
             touched = engine.step()
             now = time.perf_counter()
-            if sched.stats["decode_steps"] > steps:
+            if engine.stats()["decode_steps"] > steps:
                 decode_time += now - t
             for req in touched:
                 state = live.get(req)
                 if state is None:
                     continue
-                if len(req.output_ids) > state.seen:
+                if req.num_output > state.seen:
                     if state.seen:
                         state.gaps.append(now - state.last)
-                    state.seen, state.last = len(req.output_ids), now
+                    state.seen, state.last = req.num_output, now
                 if req.finished:
                     del live[req]
                     results.append(self._result(req, state))
@@ -146,7 +122,7 @@ class OfflineBackend:
                         start(state.conv, state.turn + 1, state.messages + [{"role": "assistant", "content": req.text}])
         duration = time.perf_counter() - t0
         after = self._counts()
-        return PassResult(results, duration, sched.stats["decode_steps"] - decode_steps, decode_time,
+        return PassResult(results, duration, engine.stats()["decode_steps"] - decode_steps, decode_time,
                           after - before if after is not None else None)
 
     def _result(self, req: Request, state: _Live) -> TurnResult:
@@ -154,7 +130,7 @@ class OfflineBackend:
         if reason is not None and reason.type == "abort":
             raise BenchError(f"Request {state.conv.id} (turn {state.turn + 1}) was aborted: {reason.message}.")
         spec = self.args.speculative_algorithm is not None
-        return TurnResult(state.conv.id, state.conv.category, state.turn, len(req.prompt_ids), len(req.output_ids),
+        return TurnResult(state.conv.id, state.conv.category, state.turn, req.prompt_len, req.num_output,
                           None if req.first_token_time is None else req.first_token_time - req.arrival,
-                          req.finish_time - req.arrival, state.gaps, list(req.output_ids),
+                          req.finish_time - req.arrival, state.gaps, req.output_ids,
                           req.spec_verify_ct if spec else None, req.spec_accepted_tokens if spec else None)

@@ -53,22 +53,21 @@ def run_bench(args: ServerArgs, opts: BenchOptions, progress: Optional[Progress]
 
 
 def _offline(args: ServerArgs, opts: BenchOptions, compared: bool):
-    from engine.bench.offline import OfflineBackend, make_worker, plain_args
+    from engine.bench.offline import OfflineBackend, plain_args
     from engine.engine import Engine
 
     if compared and not args.speculative_algorithm:
         raise BenchError("--compare-baseline compares speculative decoding with plain decoding: pass "
                          "--speculative-algorithm (and its draft model) too.")
-    engine = Engine(server_args=dataclasses.replace(args))
-    resolved = dataclasses.replace(engine.args)
+    engine = Engine(server_args=args)
+    resolved = engine.args
     config = {"server_args": resolved.to_dict(), "model_dir": str(engine.model_dir)}
     common = {"concurrency": opts.max_concurrency, "max_new_tokens": opts.max_new_tokens,
               "temperature": opts.temperature}
     name = "spec" if args.speculative_algorithm else "plain"
-    backends = [OfflineBackend(engine, name, engine.worker, resolved, **common)]
+    backends = [OfflineBackend(engine, name, resolved, **common)]
     if compared:
-        base = plain_args(resolved)
-        backends.append(OfflineBackend(engine, "baseline", make_worker(engine, base), base, **common))
+        backends.append(OfflineBackend(engine, "baseline", plain_args(resolved), **common))
     return backends, config
 
 

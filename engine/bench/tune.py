@@ -1,8 +1,8 @@
 """`spec tune`: the fastest speculative tree shape (steps, topk, draft tokens) per batch size.
 
-One Engine serves every candidate: the target weights, KV pool and scheduler stay loaded, and each
-evaluation installs a fresh decode worker for its tree (a draft model reloads with it, since its cache
-tables are sized by the tree), so N candidates cost one target load, not N server starts.
+One Engine serves every candidate: the target and draft weights, KV pool and scheduler stay loaded,
+and each evaluation switches the engine to its tree (Engine.set_speculative), so N candidates cost one
+load, not N server starts.
 
 Successive halving, per batch size: round r runs the surviving candidates on the next n0 * 2^r prompts,
 the same prompts for each, then keeps the faster half by output tokens/s over all rounds so far. The
@@ -220,7 +220,7 @@ def save_config(path: str | Path, config: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------ spec tune end to end
 def run_tune(args: ServerArgs, opts: TuneOptions, progress: Optional[Progress] = None) -> dict:
-    from engine.bench.offline import OfflineBackend, make_worker, plain_args, tree_args
+    from engine.bench.offline import OfflineBackend, plain_args, tree_args
     from engine.engine import Engine
 
     opts.check()
@@ -236,17 +236,15 @@ def run_tune(args: ServerArgs, opts: TuneOptions, progress: Optional[Progress] =
     batch_sizes = sorted(set(opts.batch_sizes))
 
     progress.phase(f"loading {args.model_path}")
-    widest = max(trees, key=lambda t: t[2])
-    engine_args = tree_args(args, widest)
-    engine_args.max_running_requests = max(args.max_running_requests or 0, batch_sizes[-1])
-    engine = Engine(server_args=engine_args)
-    resolved = dataclasses.replace(engine.args)
+    engine = Engine(server_args=dataclasses.replace(
+        tree_args(args, trees[0]), max_running_requests=max(args.max_running_requests or 0, batch_sizes[-1])))
+    resolved = engine.args
     plans = {bs: Plan.make(len(trees), len(prompts), bs) for bs in batch_sizes}
     progress.phase("tuning", sum(plan.evaluations(len(trees)) for plan in plans.values()))
 
     def backend(tree: Optional[Tree], bs: int) -> OfflineBackend:
         cand_args = plain_args(resolved) if tree is None else tree_args(resolved, tree)
-        return OfflineBackend(engine, label(tree), make_worker(engine, cand_args), cand_args, concurrency=bs,
+        return OfflineBackend(engine, label(tree), cand_args, concurrency=bs,
                               max_new_tokens=opts.max_new_tokens, temperature=opts.temperature)
 
     warm_up(backend(None, 1), prompts[0])

@@ -1,11 +1,11 @@
 """On-policy training data for an EAGLE-3 head: the target's answers and its hidden states, on disk.
 
-The target answers each prompt (chat template, greedy or sampled) through the Engine; a capturing
-worker keeps, for every position the target feeds while generating, the three auxiliary hidden states
-the draft reads, the final normed hidden state (its lm_head gives the target's distribution, the
-training target) and the argmax where logits are computed (the prompt's last position and every
-answer position). Nothing is computed twice: the states come from the generation's own forwards. The
-radix cache is off so that every position is computed.
+The target answers each prompt (chat template, greedy or sampled) through the Engine, which keeps
+(Engine.capture_hidden_states), for every position the target feeds while generating, the three
+auxiliary hidden states the draft reads, the final normed hidden state (its lm_head gives the target's
+distribution, the training target) and the argmax where logits are computed (the prompt's last
+position and every answer position). Nothing is computed twice: the states come from the generation's
+own forwards. The radix cache is off so that every position is computed.
 
 A sample is one conversation of N tokens: ids [N], prompt length P, and per fed position t < N - 1:
 aux [N-1, 3H], final [N-1, H] (bfloat16) and argmax [N-1] (-1 where unknown). Samples are written in
@@ -27,85 +27,31 @@ import torch
 from engine.convert import ConvertError
 from engine.convert.generate import Generation, chat_prompt_ids, generate_groups
 from engine.request import Request
-from engine.worker import PlainWorker
 
 log = logging.getLogger(__name__)
 
 STORE_DTYPE = torch.bfloat16          # wide range (no overflow on outlier features), half the bytes
 
 
-class _KeepLast:
-    """The model runner as the capturing worker sees it: the same, remembering its last forward's output."""
-
-    def __init__(self, runner):
-        self.runner, self.last = runner, None
-
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
-
-    def forward(self, *args, **kwargs):
-        self.last = self.runner.forward(*args, **kwargs)
-        return self.last
-
-
-class CaptureWorker(PlainWorker):
-    """Plain decoding that keeps each request's captured states by position (see the module doc)."""
-
-    def __init__(self, runner, eos_ids: Sequence[int], aux_layers: Sequence[int]):
-        super().__init__(_KeepLast(runner), eos_ids)
-        self.capture_hidden = tuple(aux_layers)
-        self.parts: dict[Request, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-        self.completed: dict[Request, int] = {}       # prefills completed by the current forward: argmax
-
-    def _keep(self, req: Request, start: int, out, rows: torch.Tensor, argmax: torch.Tensor) -> None:
-        if start == 0:                   # a (re-)prefill from scratch: what a retraction left is stale
-            self.parts[req] = []
-        aux = torch.cat([out.captured[i][rows] for i in self.capture_hidden], dim=-1)
-        self.parts[req].append((start, aux.to(STORE_DTYPE).cpu(), out.hidden[rows].to(STORE_DTYPE).cpu(),
-                                argmax.to(torch.int32)))
-
-    def sample_next(self, reqs, logits):
-        # Called for the requests whose prefill completed, just before after_prefill (and in decode).
-        self.completed = {r: int(a) for r, a in zip(reqs, logits.argmax(-1).tolist())}
-        return super().sample_next(reqs, logits)
-
-    def after_prefill(self, plan, out) -> None:
-        offset = 0
-        for req, n in plan:
-            argmax = torch.full((n,), -1, dtype=torch.int32)
-            if req in self.completed:     # fed every token but the one just sampled; its last row has logits
-                end = len(req.all_ids) - 1
-                argmax[-1] = self.completed[req]
-            else:
-                end = req.kv_len
-            if not req.finished or req in self.completed:
-                self._keep(req, end - n, out, torch.arange(offset, offset + n), argmax)
-            offset += n
-        self.completed = {}
-
-    def decode(self, reqs: Sequence[Request]) -> list[list[int]]:
-        starts = [r.kv_len for r in reqs]
-        tokens = super().decode(reqs)
-        self.completed = {}
-        out = self.runner.last
-        argmax = out.logits.argmax(-1)
-        for i, (req, start) in enumerate(zip(reqs, starts)):
-            self._keep(req, start, out, torch.tensor([i]), argmax[i:i + 1])
-        return tokens
-
-    def take(self, req: Request) -> Optional[dict]:
-        """The finished request's sample, or None when it was aborted or its positions are incomplete."""
-        parts = sorted(self.parts.pop(req, []), key=lambda p: p[0])
-        fed = len(req.all_ids) - 1
-        if req.finish_reason is None or req.finish_reason.type == "abort" or not parts:
-            return None
-        if [p[0] for p in parts] != [sum(q[1].shape[0] for q in parts[:k]) for k in range(len(parts))] \
-                or sum(p[1].shape[0] for p in parts) != fed:
-            log.warning("request %s: captured positions are incomplete; sample skipped", req.rid)
-            return None
-        return {"ids": torch.tensor(req.all_ids, dtype=torch.int32), "prompt_len": len(req.prompt_ids),
-                "aux": torch.cat([p[1] for p in parts]), "final": torch.cat([p[2] for p in parts]),
-                "argmax": torch.cat([p[3] for p in parts])}
+def take_sample(req: Request) -> Optional[dict]:
+    """The finished request's sample from what it captured, or None when it was aborted or its
+    positions are incomplete. A prefill from position 0 again (after a retraction) starts over."""
+    parts = list(req.captured)
+    starts = [p[0] for p in parts]
+    if 0 in starts:
+        parts = parts[len(starts) - 1 - starts[::-1].index(0):]
+    req.captured = []
+    fed = req.seq_len - 1
+    if req.finish_reason is None or req.finish_reason.type == "abort" or not parts:
+        return None
+    if [p[0] for p in parts] != [sum(q[1].shape[0] for q in parts[:k]) for k in range(len(parts))] \
+            or sum(p[1].shape[0] for p in parts) != fed:
+        log.warning("request %s: captured positions are incomplete; sample skipped", req.rid)
+        return None
+    return {"ids": torch.tensor(req.token_ids, dtype=torch.int32), "prompt_len": req.prompt_len,
+            "aux": torch.cat([p[1] for p in parts]).to("cpu", STORE_DTYPE),
+            "final": torch.cat([p[2] for p in parts]).to("cpu", STORE_DTYPE),
+            "argmax": torch.cat([p[3] for p in parts]).to("cpu", torch.int32)}
 
 
 # ------------------------------------------------------------------------------------------------ writing
@@ -146,12 +92,11 @@ def generate_data(engine, prompts: Sequence[str], data_dir: Path, spec: DataSpec
         on_step(0, done)
     if done >= len(prompts):
         return [data_dir / s["file"] for s in manifest["shards"]]
-    worker = CaptureWorker(engine.runner, engine.eos_ids, spec.aux_layers)
-    engine.worker = engine.scheduler.worker = worker
+    engine.capture_hidden_states(spec.aux_layers)
     ids = chat_prompt_ids(engine.tokenizer, prompts[done:])
     for k, reqs in enumerate(generate_groups(engine, ids, spec.generation, spec.group, first_index=done,
                                              on_step=on_step)):
-        samples = [s for s in (worker.take(r) for r in reqs) if s is not None]
+        samples = [s for s in (take_sample(r) for r in reqs) if s is not None]
         name = f"shard_{len(manifest['shards']):05d}.pt"
         tokens = sum(int(s["ids"].numel()) for s in samples)
         if samples:

@@ -43,7 +43,7 @@ def generate_groups(engine, prompt_ids: Sequence[Sequence[int]], gen: Generation
     """Finished requests, `group` prompts at a time, in prompt order. Prompt i (counting from
     `first_index`, so that a resumed run samples as the first one did) gets seed gen.seed + i.
     on_step(new tokens, newly finished prompts) is told after every engine step."""
-    context = engine.runner.context_len
+    context = engine.context_len
     for start in range(0, len(prompt_ids), group):
         reqs = []
         for i, ids in enumerate(prompt_ids[start:start + group], first_index + start):
@@ -56,7 +56,7 @@ def generate_groups(engine, prompt_ids: Sequence[Sequence[int]], gen: Generation
         produced = finished = 0
         while finished < len(reqs):
             engine.step()
-            now, done = sum(len(r.output_ids) for r in reqs), sum(r.finished for r in reqs)
+            now, done = sum(r.num_output for r in reqs), sum(r.finished for r in reqs)
             if on_step and (now, done) != (produced, finished):
                 on_step(now - produced, done - finished)
             produced, finished = now, done

@@ -497,6 +497,8 @@ def evaluate(model: str, draft_dir: Path, prompts: Sequence[str], max_new_tokens
     started = time.perf_counter()
     outs = engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens})
     took = time.perf_counter() - started
-    summary = engine.worker.stats.summary()
+    stats = engine.stats()
+    summary = {k: stats[k] for k in ("spec_verify_ct", "avg_spec_accept_length", "spec_accept_rate",
+                                     "spec_accept_by_position")}
     return {"tree": list(engine.args.speculative_tree), "output_tokens": sum(len(o["output_ids"]) for o in outs),
             "seconds": round(took, 1), **summary}

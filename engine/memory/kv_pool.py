@@ -1,5 +1,8 @@
 """Token-level KV cache: one slot per token per layer, handed out by a free-list allocator.
 
+The allocator's slots index every model's KVPool alike: the target's and a draft's K/V for one token
+live at the same slot number (engine/memory/kv_manager.py owns who holds which).
+
 Slot 0 is never handed out: it stays zero and pads gathers, so a padded row attends to finite values
 that its mask then hides. Freeing a request's rejected or finished tokens is returning their slot
 numbers to the free list; no KV is ever copied.
@@ -76,20 +79,3 @@ class KVPool:
         flat = slots.reshape(-1)
         shape = (*slots.shape, *self.k[layer].shape[1:])
         return self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(shape)
-
-
-class ReqToTokenPool:
-    """Per running request, the KV slot of each of its token positions: table[row, position] = slot."""
-
-    def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str = "cpu"):
-        self.table = torch.zeros((max_requests, max_context_len), dtype=torch.int64, device=device)
-        self._free_rows = list(range(max_requests))
-
-    def available(self) -> int:
-        return len(self._free_rows)
-
-    def alloc(self) -> int | None:
-        return self._free_rows.pop() if self._free_rows else None
-
-    def free(self, row: int) -> None:
-        self._free_rows.append(row)

@@ -37,24 +37,28 @@ class Rotary(nn.Module):
 
     def __init__(self, config, head_dim: int, max_positions: int):
         super().__init__()
-        params = getattr(config, "rope_parameters", None) or {}
-        rope_type = params.get("rope_type", "default")
-        if rope_type == "default":
-            theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-            scaling = 1.0
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        # Computed on the CPU whatever device the model is being built on (transformers' rope-scaling
+        # init functions make tensors of the default device and mix them with CPU ones), then moved there.
+        device = torch.empty(0).device
+        with torch.device("cpu"):
+            params = getattr(config, "rope_parameters", None) or {}
+            rope_type = params.get("rope_type", "default")
+            if rope_type == "default":
+                theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+                inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+                scaling = 1.0
+            else:
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :].float()
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+            freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :].float()
+            emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", (emb.cos() * scaling).to(device), persistent=False)
         # rotate_half(x) * sin = roll(x, half) * (sin with its first half negated): the same products,
         # bit for bit, in one op instead of four.
         sin = emb.sin() * scaling
         sin[:, :head_dim // 2].neg_()
-        self.register_buffer("signed_sin", sin, persistent=False)
+        self.register_buffer("signed_sin", sin.to(device), persistent=False)
         self._cached: tuple | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -151,6 +155,10 @@ class LlamaForCausalLM(nn.Module):
     @property
     def num_layers(self) -> int:
         return len(self.model.layers)
+
+    @property
+    def attention(self) -> Attention:
+        return self.model.layers[0].self_attn
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

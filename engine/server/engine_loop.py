@@ -131,7 +131,7 @@ class EngineLoop:
 
     def _take_commands(self) -> None:
         """Apply every queued command; when the engine has nothing to do, sleep until one arrives."""
-        block = not self.engine.scheduler.has_work and not self._stopping
+        block = not self.engine.has_work and not self._stopping
         while True:
             try:
                 kind, payload, sub = self._inbox.get(block=block)
@@ -189,15 +189,4 @@ class EngineLoop:
 
     def _snapshot(self) -> dict:
         """Engine figures for /metrics and /get_server_info (read on the event loop without locks)."""
-        sched, alloc = self.engine.scheduler, self.engine.runner.allocator
-        cached = sched.radix.evictable_size() if sched.radix else 0
-        snap = {**sched.stats,
-                "num_running_reqs": len(sched.running) + (sched.prefilling is not None),
-                "num_waiting_reqs": len(sched.waiting),
-                "kv_tokens_total": alloc.size,
-                "kv_tokens_cached": cached,
-                "kv_tokens_used": alloc.size - alloc.available() - cached}
-        spec_stats = getattr(self.engine.worker, "stats", None)
-        if spec_stats is not None:
-            snap.update(spec_stats.summary())
-        return snap
+        return self.engine.stats()

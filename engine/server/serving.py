@@ -32,7 +32,7 @@ class Serving:
         # The engine thread decodes with engine.tokenizer; a copy keeps the two threads off one Rust object.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.model_name = args.served_model_name or os.path.basename(str(args.model_path).rstrip("/"))
-        self.context_len = engine.runner.context_len
+        self.context_len = engine.context_len
         self.api_key = args.api_key or os.environ.get("SPEC_API_KEY") or None
         self.loop = EngineLoop(engine)
         tree = args.speculative_tree
@@ -108,7 +108,7 @@ class Serving:
             raise APIError(400, f"The prompt has {len(ids)} tokens and {param} is {max_tokens}: more than the "
                                 f"context length {self.context_len}. Lower {param}.", param=param,
                            code="context_length_exceeded")
-        pool = self.engine.runner.allocator.size
+        pool = self.engine.kv_capacity
         if len(ids) + 1 > pool:
             raise APIError(400, f"The prompt has {len(ids)} tokens but the KV cache holds {pool}.",
                            code="context_length_exceeded")

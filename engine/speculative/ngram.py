@@ -31,11 +31,11 @@ from operator import itemgetter
 from typing import Callable, Sequence
 
 from engine.config import ServerArgs
-from engine.model_runner import ModelRunner
 from engine.request import Request
-from engine.speculative.base import SpeculativeWorker
+from engine.speculative.drafter import Drafter
 from engine.speculative.ngram_cache import NgramCache
-from engine.speculative.tree import DraftTree
+from engine.speculative.tree import DraftTree, TreeBatch
+from engine.step import DecodeStep
 
 
 def ngram_tree(cache: NgramCache, context: Sequence[int], steps: int, budget: int,
@@ -83,17 +83,10 @@ def ngram_tree(cache: NgramCache, context: Sequence[int], steps: int, budget: in
     return DraftTree([root] + [tokens[i] for i in keep], [-1] + [new_index[parents[i]] for i in keep])
 
 
-def tokens_from(req: Request, start: int) -> list[int]:
-    """req.all_ids[start:] without building the whole sequence."""
-    n_prompt = len(req.prompt_ids)
-    if start >= n_prompt:
-        return req.output_ids[start - n_prompt:]
-    return req.prompt_ids[start:] + req.output_ids
-
-
-class NgramWorker(SpeculativeWorker):
-    def __init__(self, runner: ModelRunner, eos_ids: Sequence[int], args: ServerArgs):
-        super().__init__(runner, eos_ids, args)
+class NgramDrafter(Drafter):
+    def __init__(self, args: ServerArgs, device):
+        self.set_tree(args.speculative_tree, False)
+        self.device = device
         self.min_window = args.speculative_ngram_min_match_window_size
         self.max_window = args.speculative_ngram_max_match_window_size
         self.min_breadth = args.speculative_ngram_min_bfs_breadth
@@ -110,11 +103,12 @@ class NgramWorker(SpeculativeWorker):
         width = round(self.max_breadth - (self.max_breadth - self.min_breadth) * confidence)
         return min(self.topk, width)
 
-    def draft(self, reqs: Sequence[Request]) -> list[DraftTree]:
-        for req in reqs:                          # all first: one request's text may draft another's
+    def draft(self, step: DecodeStep) -> TreeBatch:
+        for req in step.reqs:                     # all first: one request's text may draft another's
             self._learn(req)
-        return [ngram_tree(self.cache, tokens_from(req, max(0, req.seq_len - self.max_window)), self.steps,
-                           self.num_draft_tokens - 1, self.breadth) for req in reqs]
+        trees = [ngram_tree(self.cache, req.token_ids[max(0, req.seq_len - self.max_window):], self.steps,
+                            self.num_draft_tokens - 1, self.breadth) for req in step.reqs]
+        return TreeBatch.from_trees(trees, self.device)
 
     def release(self, req: Request) -> None:
         # Learn the last accepted tokens too, then forget the request. A retracted request that comes
@@ -127,5 +121,5 @@ class NgramWorker(SpeculativeWorker):
         if done == req.seq_len:
             return
         start = max(0, done - self.max_window)
-        self.cache.learn(tokens_from(req, start), done - start)
+        self.cache.learn(req.token_ids[start:], done - start)
         self.learned[req] = req.seq_len

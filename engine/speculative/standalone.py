@@ -1,179 +1,92 @@
 """STANDALONE speculative decoding: a smaller LLM with the target's tokenizer drafts the tree.
 
-The draft runs in a second ModelRunner with its own KV pool (as many tokens as the target's) and
-req-to-token table. Its cache holds committed tokens only: each request's `kv_len` there counts the
-leading tokens of `req.all_ids` it covers. A draft step
-1. catches up: feeds the committed tokens the draft has not seen, ending with the root (the newest
-   token), as one extend per request (the draft's prefill the first time, the tokens accepted by the
-   last verification later); the root's logits give the first draft level;
-2. searches a tree (draft_tree_search) level by level, one draft forward per level. A frontier node sees
-   the committed prefix plus its own ancestors: each of a request's topk branches has a table row (its
-   own, plus topk - 1 scratch rows) holding the prefix's slots followed by the branch's path;
-3. frees the scratch KV and rows: rejecting a draft is forgetting it, and accepted tokens are fed again
-   by the next catch-up, so the draft never holds a token the target did not commit.
-A request the draft pool cannot hold this step (many radix-shared prefixes, which the draft does not
-share) drafts nothing and decodes plainly until there is room.
+The draft model runs with its own K/V buffers at the target's slots (model_drafter.py): its cache
+covers exactly the target's committed positions. A draft step feeds each request's root (its newest
+token) at the root's own tree slot, which the verification commits whatever it accepts, and the
+root's draft logits give the first depth; deeper frontiers see the root and their drafted ancestors.
+After a verification the accepted drafts are fed at the slots the target commits them to; after a
+prefill piece, the piece's tokens at its slots.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
+from torch import nn
 
+from engine.attention import create_backend
 from engine.config import ServerArgs
 from engine.errors import ConfigError, ModelLoadError
+from engine.forward_batch import ForwardBatch, make_batch
 from engine.loader import load_config, load_tokenizer, resolve_model_path
-from engine.model_runner import ForwardItem, ModelRunner
-from engine.request import Request
-from engine.speculative.base import SpeculativeWorker
-from engine.speculative.draft_tree_search import Frontier, chain_samplers, search_trees
+from engine.memory.kv_pool import KVPool
+from engine.model_runner import ForwardOutput, ModelRunner, kv_layout, load_model
+from engine.speculative.model_drafter import ModelDrafter
 from engine.speculative.token_map import HotVocabHead, load_token_map
-from engine.speculative.tree import DraftTree
+from engine.step import DecodeStep, PrefillStep
 
 log = logging.getLogger(__name__)
 
-_NO_LOGITS = torch.empty(0, dtype=torch.long)
 # Token ids compared when two tokenizers are checked for being the same one.
 _TOKENIZER_SAMPLE = 512
 
 
-@dataclass
-class _DraftState:
-    row: int          # row of the draft's req-to-token table
-    kv_len: int = 0   # leading tokens of req.all_ids whose KV is in the draft cache
+def load_draft(args: ServerArgs, target: nn.Module, target_dir, dtype: torch.dtype, device: str,
+               max_positions: int) -> nn.Module:
+    draft_dir = resolve_model_path(args.speculative_draft_model_path, args.speculative_draft_model_revision)
+    config = load_config(draft_dir, args.trust_remote_code)
+    check_same_vocabulary(args, target.config, target_dir, draft_dir, config)
+    model = load_model(draft_dir, config, dtype, device, max_positions)
+    vocab = target.config.vocab_size
+    hot = (load_token_map(args.speculative_token_map, min(vocab, config.vocab_size))
+           if args.speculative_token_map else None)
+    model.draft_head = (HotVocabHead(model.lm_head_weight(), hot, vocab) if hot is not None
+                        else lambda hidden: fit_vocab(model.compute_logits(hidden), vocab))
+    return model
 
 
-class StandaloneWorker(SpeculativeWorker):
-    def __init__(self, runner: ModelRunner, eos_ids: Sequence[int], args: ServerArgs):
-        super().__init__(runner, eos_ids, args)
-        draft_dir = resolve_model_path(args.speculative_draft_model_path, args.speculative_draft_model_revision)
-        config = load_config(draft_dir, args.trust_remote_code)
-        self.vocab_size = runner.config.vocab_size
-        check_same_vocabulary(args, runner.config, runner.model_dir, draft_dir, config)
-        hot = (load_token_map(args.speculative_token_map, min(self.vocab_size, config.vocab_size))
-               if args.speculative_token_map else None)
-        tokens = runner.allocator.size
-        draft_args = dataclasses.replace(
-            args, model_path=str(draft_dir), revision=args.speculative_draft_model_revision, tokenizer_path=None,
-            dtype=str(runner.dtype).removeprefix("torch."), device=runner.device, max_total_tokens=tokens,
-            speculative_algorithm=None, speculative_draft_model_path=None, speculative_draft_model_revision=None,
-            speculative_num_steps=None, speculative_eagle_topk=None, speculative_num_draft_tokens=None,
-            speculative_token_map=None, speculative_draft_model_quantization=None)
-        # A row per running request, plus topk - 1 scratch rows for each while it drafts a tree.
-        self.draft_runner = ModelRunner(draft_args, draft_dir, config, kv_pool_tokens=tokens,
-                                        max_requests=runner.max_requests * self.topk)
-        self.head = (HotVocabHead(self.draft_runner.model.lm_head_weight(), hot, self.vocab_size)
-                     if hot is not None else None)
-        # As the target's prefill was split, so is the draft's first catch-up over a long prompt.
-        self.catch_up_budget = args.prefill_chunk(runner.device)
-        self.states: dict[Request, _DraftState] = {}
+class StandaloneDrafter(ModelDrafter):
+    root_in_kv = True
 
-    # ------------------------------------------------------------------ drafting
-    def draft(self, reqs: Sequence[Request]) -> list[DraftTree]:
-        trees = [DraftTree.chain(r.all_ids[-1], []) for r in reqs]
-        ready = self._admit(reqs)
-        if not ready:
-            return trees
-        drafting = [reqs[i] for i in ready]
-        root_scores = self._catch_up(drafting)
-        rows = self._branch_rows(drafting)
-        scratch: list[torch.Tensor] = []
+    def __init__(self, model: nn.Module, num_slots: int, table: torch.Tensor, tree: tuple[int, int, int],
+                 rejection: bool, eos_ids: Sequence[int], backend: str):
+        super().__init__(*tree, rejection, eos_ids, table)
+        device, dtype = table.device, next(model.parameters()).dtype
+        layers, heads, head_dim = kv_layout(model)
+        kv_pool = KVPool(layers, num_slots, heads, head_dim, dtype, device)
+        self.model = model
+        self.runner = ModelRunner(model, kv_pool, create_backend(backend, str(device), kv_pool))
 
-        def expand(frontiers: list[Frontier]) -> torch.Tensor:
-            table = self.draft_runner.req_to_token.table
-            items = []
-            for req, branch_rows, f in zip(drafting, rows, frontiers):
-                start, depth = req.seq_len, f.depth
-                if depth > 1:
-                    # Each node's path: its parent's path, whose last slot the parent's forward wrote.
-                    paths = table[torch.tensor([branch_rows[p] for p in f.parents]), start:start + depth - 1]
-                    table[torch.tensor(branch_rows), start:start + depth - 1] = paths
-                items += [ForwardItem(row, start + depth - 1, [tok]) for row, tok in zip(branch_rows, f.tokens)]
-            slots = self.draft_runner.allocator.alloc(len(items))
-            scratch.append(slots)
-            return self._scores(self.draft_runner.forward(items, slots, _NO_LOGITS).hidden)
+    def feed(self, batch: ForwardBatch, parent_states: Optional[torch.Tensor]) -> torch.Tensor:
+        return self.runner.forward(batch).hidden
 
-        samplers = chain_samplers(drafting, self.eos_ids, self.topk == 1 and self.use_rejection)
-        found = search_trees([r.all_ids[-1] for r in drafting], root_scores, expand, self.steps, self.topk,
-                             self.num_draft_tokens, samplers)
-        for slots in scratch:
-            self.draft_runner.allocator.free(slots)
-        for branch_rows in rows:
-            for row in branch_rows[1:]:
-                self.draft_runner.req_to_token.free(row)
-        for i, tree in zip(ready, found):
-            trees[i] = tree
-        return trees
+    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.draft_head(hidden)
 
-    def _admit(self, reqs: Sequence[Request]) -> list[int]:
-        """Indices of the requests whose catch-up and scratch KV fit in the draft pool now."""
-        free = self.draft_runner.allocator.available()
-        scratch = (self.steps - 1) * self.topk
-        ready = []
-        for i, req in enumerate(reqs):
-            state = self.states.get(req)
-            need = req.seq_len - (state.kv_len if state else 0) + scratch
-            if need <= free:
-                free -= need
-                ready.append(i)
-        return ready
+    def root(self, step: DecodeStep, roots: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        reqs = step.reqs
+        batch = make_batch(self.table, [r.row for r in reqs], [r.kv_len for r in reqs], roots, step.slots[:, 0],
+                           [1] * len(reqs))
+        return self.scores(self.feed(batch, None)), None
 
-    def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
-        """Feed each request's committed tokens the draft has not seen, root included, in extends of at
-        most `catch_up_budget` tokens per forward; return the roots' draft scores [len(reqs), V]."""
-        for req in reqs:
-            if req not in self.states:
-                self.states[req] = _DraftState(self.draft_runner.req_to_token.alloc())
-        states = [self.states[r] for r in reqs]
-        root_hidden: list[torch.Tensor] = [None] * len(reqs)
-        while pending := [i for i, (r, s) in enumerate(zip(reqs, states)) if s.kv_len < r.seq_len]:
-            items, fed, budget = [], [], self.catch_up_budget
-            for i in pending:
-                if budget == 0:
-                    break
-                req, state = reqs[i], states[i]
-                n = min(req.seq_len - state.kv_len, budget)
-                items.append(ForwardItem(state.row, state.kv_len, req.all_ids[state.kv_len:state.kv_len + n]))
-                fed.append((i, n))
-                budget -= n
-            slots = self.draft_runner.allocator.alloc(sum(n for _, n in fed))
-            out = self.draft_runner.forward(items, slots, _NO_LOGITS)
-            offset = 0
-            for i, n in fed:
-                states[i].kv_len += n
-                offset += n
-                if states[i].kv_len == reqs[i].seq_len:
-                    root_hidden[i] = out.hidden[offset - 1]
-        return self._scores(torch.stack(root_hidden))
+    def after_prefill(self, step: PrefillStep, out: ForwardOutput, next_tokens: Sequence[int]) -> None:
+        reqs = step.reqs
+        self.runner.forward(make_batch(self.table, [r.row for r in reqs], [r.kv_len for r in reqs],
+                                       step.input_ids(), step.slots, step.lens))
 
-    def _branch_rows(self, reqs: list[Request]) -> list[list[int]]:
-        """Per request, topk table rows that start with its committed prefix: its own and scratch ones."""
-        table = self.draft_runner.req_to_token.table
-        rows = []
-        for req in reqs:
-            own = self.states[req].row
-            scratch = [self.draft_runner.req_to_token.alloc() for _ in range(self.topk - 1)]
-            table[scratch, :req.seq_len] = table[own, :req.seq_len]
-            rows.append([own] + scratch)
-        return rows
-
-    def _scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits over the target's vocabulary (-inf where the draft cannot propose)."""
-        with torch.inference_mode():
-            if self.head is not None:
-                return self.head(hidden)
-            return fit_vocab(self.draft_runner.model.compute_logits(hidden), self.vocab_size)
-
-    def release(self, req: Request) -> None:
-        state = self.states.pop(req, None)
-        if state is not None:
-            pool = self.draft_runner.req_to_token
-            self.draft_runner.allocator.free(pool.table[state.row, :state.kv_len].cpu())
-            pool.free(state.row)
+    def after_verify(self, step: DecodeStep, out: ForwardOutput, sizes: Sequence[int],
+                     paths: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]]) -> None:
+        # The root is in the draft cache already; feed the accepted drafts after it.
+        fed = [b for b, path in enumerate(paths) if len(path) > 1]
+        if not fed:
+            return
+        reqs = [step.reqs[b] for b in fed]
+        self.runner.forward(make_batch(
+            self.table, [r.row for r in reqs], [r.kv_len for r in reqs], [t for b in fed for t in tokens[b][:-1]],
+            torch.cat([step.slots[b, paths[b][1:]] for b in fed]), [len(paths[b]) - 1 for b in fed],
+            extra_slots=step.slots[fed, 0], extra_lens=[1] * len(fed)))
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -1,14 +1,17 @@
-"""DraftTree: the tokens one step proposes for one request, as a tree rooted at the last real token.
+"""Draft trees: the tokens one step proposes, rooted at each request's newest token.
 
 Node 0 is the root: the request's newest token, already chosen but not yet in the KV cache. Every other
-node is a draft token whose parent comes before it. Verification feeds all nodes in one forward, each
-seeing the cached prefix and its own ancestors (`mask`) at position prefix + depth (`depths`).
+node is a draft token whose parent comes before it; siblings come best first. Verification feeds all
+nodes in one forward, each seeing the cached prefix and its own ancestors, at position prefix + depth.
+
+`DraftTree` is one request's tree as host lists (n-gram drafting builds them); `TreeBatch` is a whole
+step's trees as padded device tensors, what drafting with a model produces and verification reads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -17,38 +20,28 @@ import torch
 class DraftTree:
     tokens: list[int]
     parents: list[int]                      # parent index per node; -1 for the root
-    # For rejection sampling on chains: the draft distribution each non-root node's token was drawn
-    # from, [len(tokens) - 1, V]; None when drafts are deterministic (greedy drafting, n-grams).
-    draft_probs: Optional[torch.Tensor] = None
-    depths: list[int] = field(init=False)
-    children: list[list[int]] = field(init=False)
 
     def __post_init__(self):
         assert self.parents and self.parents[0] == -1, "node 0 is the root"
-        self.depths, self.children = [0], [[] for _ in self.tokens]
-        for i, p in enumerate(self.parents[1:], start=1):
-            assert 0 <= p < i, "a parent precedes its children"
-            self.depths.append(self.depths[p] + 1)
-            self.children[p].append(i)
+        assert all(0 <= p < i for i, p in enumerate(self.parents[1:], start=1)), "a parent precedes its children"
 
     @classmethod
-    def chain(cls, root: int, drafts: list[int], draft_probs: Optional[torch.Tensor] = None) -> "DraftTree":
-        return cls([root] + list(drafts), list(range(-1, len(drafts))), draft_probs)
+    def chain(cls, root: int, drafts: Sequence[int]) -> "DraftTree":
+        return cls([root] + list(drafts), list(range(-1, len(drafts))))
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     @property
     def is_chain(self) -> bool:
-        return all(len(c) <= 1 for c in self.children)
+        return all(p == i - 1 for i, p in enumerate(self.parents))
 
-    def mask(self) -> torch.Tensor:
-        """[n, n] bool: node i may attend to node j when j is i or one of its ancestors."""
-        n = len(self.tokens)
-        m = torch.eye(n, dtype=torch.bool)
-        for i in range(1, n):
-            m[i] |= m[self.parents[i]]
-        return m
+    @property
+    def depths(self) -> list[int]:
+        depths = [0]
+        for p in self.parents[1:]:
+            depths.append(depths[p] + 1)
+        return depths
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root down to `node`."""
@@ -58,22 +51,78 @@ class DraftTree:
             node = self.parents[node]
         return path[::-1]
 
+    @property
+    def max_children(self) -> int:
+        counts = [0] * len(self.tokens)
+        for p in self.parents[1:]:
+            counts[p] += 1
+        return max(counts)
+
+
+@dataclass
+class TreeBatch:
+    tokens: torch.Tensor                    # [B, N] token per node (0 past a tree's size)
+    parents: torch.Tensor                   # [B, N] parent per node; -1 for roots and padding
+    sizes: list[int]                        # nodes per tree, root included
+    is_chain: bool                          # every tree is a chain (node i's parent is i - 1)
+    max_depth: int                          # deepest node's depth (host bounds: no device sync)
+    max_children: int                       # most children of one node
+    # For rejection sampling on chains: the distribution each node's token was drawn from, [B, N, V]
+    # (row 0 unused); None when drafts are deterministic (greedy drafting, n-grams).
+    draft_probs: Optional[torch.Tensor] = None
+    _ancestors: Optional[torch.Tensor] = field(default=None, repr=False)
+
     @classmethod
-    def from_paths(cls, root: int, paths: list[list[int]], limit: int) -> "DraftTree":
-        """Merge token paths (best first) into a prefix tree of at most `limit` nodes, root included.
-        Sibling order follows the order paths were given in."""
-        tokens, parents = [root], [-1]
-        index: dict[tuple[int, int], int] = {}
-        for path in paths:
-            node = 0
-            for tok in path:
-                child = index.get((node, tok))
-                if child is None:
-                    if len(tokens) >= limit:
-                        break
-                    child = len(tokens)
-                    tokens.append(tok)
-                    parents.append(node)
-                    index[(node, tok)] = child
-                node = child
-        return cls(tokens, parents)
+    def from_trees(cls, trees: Sequence[DraftTree], device) -> "TreeBatch":
+        n = max(len(t) for t in trees)
+        tokens = torch.zeros((len(trees), n), dtype=torch.long)
+        parents = torch.full((len(trees), n), -1, dtype=torch.long)
+        for b, t in enumerate(trees):
+            tokens[b, :len(t)] = torch.tensor(t.tokens)
+            parents[b, :len(t)] = torch.tensor(t.parents)
+        return cls(tokens.to(device), parents.to(device), [len(t) for t in trees], all(t.is_chain for t in trees),
+                   max(max(t.depths) for t in trees), max(t.max_children for t in trees))
+
+    @classmethod
+    def roots(cls, roots: torch.Tensor) -> "TreeBatch":
+        """Root-only trees: plain decoding is verification of an empty draft."""
+        return cls(roots[:, None], torch.full_like(roots[:, None], -1), [1] * roots.shape[0], True, 0, 0)
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """[B, N] bool: the node exists."""
+        sizes = torch.tensor(self.sizes, device=self.tokens.device)
+        return torch.arange(self.width, device=self.tokens.device)[None, :] < sizes[:, None]
+
+    @property
+    def ancestors(self) -> torch.Tensor:
+        """[B, N, N] bool: node i sees node j (j is i or one of its ancestors). Built by propagating
+        one level per pass, so a tree of depth D takes D passes."""
+        if self._ancestors is None:
+            B, N = self.tokens.shape
+            eye = torch.eye(N, dtype=torch.bool, device=self.tokens.device).expand(B, N, N)
+            if self.is_chain:
+                self._ancestors = eye.new_ones((N, N)).tril() & self.valid[:, None, :]
+            else:
+                has_parent = (self.parents >= 0)[:, :, None]
+                index = self.parents.clamp(min=0)[:, :, None].expand(B, N, N)
+                anc = eye
+                for _ in range(self.max_depth):
+                    anc = eye | (anc.gather(1, index) & has_parent)
+                self._ancestors = anc
+        return self._ancestors
+
+    @property
+    def depth(self) -> torch.Tensor:
+        """[B, N] depth below the root (0 for roots and padding)."""
+        if self.is_chain:
+            return torch.arange(self.width, device=self.tokens.device).expand(self.batch_size, -1) * self.valid
+        return self.ancestors.sum(-1) - 1

@@ -1,77 +1,142 @@
-"""Verification: which draft tokens the target accepts, and the token it adds after them.
-
-Every rule here keeps the output exactly the target's:
+"""Verification: which draft tokens the target accepts, and the token it adds after them, for a whole
+batch of trees at once on the device. Every rule keeps the output exactly the target's:
 - greedy: follow the child whose token is the target's argmax; the first miss gives the bonus token.
 - tree sampling (SGLang's, drafts treated as deterministic): at each node try the children in order,
   accepting child c with probability p(c) under the current residual p; a rejected child's token gets
   probability 0 and p is renormalised. If no child is accepted, the bonus is drawn from the residual.
   The chance that token x comes out is p(x) whatever the draft, so the output follows p exactly.
+  Greedy rows have one-hot p, for which this is the greedy rule.
 - rejection sampling (chains with draft probabilities q): accept with min(1, p/q); on rejection draw
   from max(0, p - q) normalised (Leviathan et al., Chen et al.).
+Plain decoding is the same call on root-only trees: the "bonus" is the sampled token.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from engine.sampling import sample_from_probs
-from engine.speculative.tree import DraftTree
-
-# uniform(position_in_path, stream) -> a uniform in [0, 1); streams > 0 are acceptance trials.
-Uniform = Callable[[int, int], float]
+from engine.sampling import SamplingBatch, sample_from_probs
+from engine.speculative.tree import TreeBatch
 
 
-def verify_greedy(tree: DraftTree, argmax: list[int]) -> tuple[list[int], int]:
-    """argmax[i] is the target's choice after node i. Returns (accepted path from the root, bonus)."""
-    node, path = 0, [0]
-    while True:
-        want = argmax[node]
-        nxt = next((c for c in tree.children[node] if tree.tokens[c] == want), None)
-        if nxt is None:
-            return path, want
-        path.append(nxt)
-        node = nxt
+@dataclass
+class Accepted:
+    index: torch.Tensor      # [B, D + 1] accepted node indices, root first, 0-padded past `length`
+    length: torch.Tensor     # [B] accepted nodes, root included (>= 1)
+    bonus: torch.Tensor      # [B] the target's token after the last accepted node
 
 
-def verify_tree_sampling(tree: DraftTree, probs: torch.Tensor, uniform: Uniform) -> tuple[list[int], int]:
-    """probs[i]: the target's distribution after node i (temperature and truncation applied)."""
-    node, path = 0, [0]
-    while True:
-        p = probs[node].double().clone()
-        accepted = None
-        for trial, child in enumerate(tree.children[node], start=1):
-            tok = tree.tokens[child]
-            total = float(p.sum())
-            if total <= 0:
-                break
-            if uniform(len(path) - 1, trial) * total < float(p[tok]):
-                accepted = child
-                break
-            p[tok] = 0.0
-        if accepted is None:
-            return path, _draw(p, uniform(len(path) - 1, 0))
-        path.append(accepted)
-        node = accepted
+def verify(tree: TreeBatch, logits: torch.Tensor, sb: SamplingBatch, rejection: Sequence[bool]) -> Accepted:
+    """logits [T, V]: the target's, node after node, tree after tree (T = sum(tree.sizes));
+    `sb` has one row per node; rejection[b]: request b's chain is checked by rejection sampling."""
+    node_row = _node_rows(tree)
+    if sb.all_greedy:
+        return _greedy(tree, sb.adjust(logits).argmax(-1)[node_row])
+    probs = sb.probs(logits)
+    out = _tree_sampling(tree, probs, node_row, sb)
+    if any(rejection):
+        rej = _rejection(tree, probs, node_row, sb)
+        use = torch.tensor(list(rejection), device=probs.device)
+        width = max(out.index.shape[1], rej.index.shape[1])
+        out = Accepted(torch.where(use[:, None], _pad(rej.index, width), _pad(out.index, width)),
+                       torch.where(use, rej.length, out.length), torch.where(use, rej.bonus, out.bonus))
+    return out
 
 
-def verify_rejection(tree: DraftTree, probs: torch.Tensor, uniform: Uniform) -> tuple[list[int], int]:
-    """Chains only; tree.draft_probs[i - 1] is q for node i's token."""
+def _node_rows(tree: TreeBatch) -> torch.Tensor:
+    """[B, N] row of each node in the flat logits (clamped for padding, which is never read as valid)."""
+    sizes = torch.tensor(tree.sizes, device=tree.tokens.device)
+    starts = sizes.cumsum(0) - sizes
+    return (starts[:, None] + torch.arange(tree.width, device=sizes.device)[None, :]).clamp(max=int(sum(tree.sizes)) - 1)
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+
+def _path(tree: TreeBatch, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Node indices from the root down to `last` [B] (ancestors precede descendants), and their count."""
+    on_path = tree.ancestors.gather(1, last[:, None, None].expand(-1, 1, tree.width)).squeeze(1)   # [B, N]
+    length = on_path.sum(1)
+    arange = torch.arange(tree.width, device=last.device)
+    index = torch.where(on_path, arange, tree.width).sort(1).values[:, :tree.max_depth + 1]
+    return torch.where(index < tree.width, index, 0), length
+
+
+def _greedy(tree: TreeBatch, choice: torch.Tensor) -> Accepted:
+    """choice [B, N]: the target's argmax after each node."""
+    after_parent = choice.gather(1, tree.parents.clamp(min=0))
+    correct = (tree.tokens == after_parent) & tree.valid
+    correct[:, 0] = True
+    # A node is accepted when it and all its ancestors are; siblings differ, so they form one path.
+    accepted = ~(tree.ancestors & ~correct[:, None, :]).any(-1) & tree.valid
+    last = torch.where(accepted, torch.arange(tree.width, device=choice.device), -1).max(1).values
+    index, length = _path(tree, last)
+    return Accepted(index, length, choice.gather(1, last[:, None]).squeeze(1))
+
+
+def _tree_sampling(tree: TreeBatch, probs: torch.Tensor, node_row: torch.Tensor, sb: SamplingBatch) -> Accepted:
+    B, N = tree.tokens.shape
+    device = probs.device
+    arange = torch.arange(N, device=device)
+    valid = tree.valid
+    cur = torch.zeros(B, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    bonus = torch.zeros(B, dtype=torch.long, device=device)
+    depth_max = tree.max_depth
+    index = torch.zeros((B, depth_max + 1), dtype=torch.long, device=device)
+    length = torch.ones(B, dtype=torch.long, device=device)
+    trials = tree.max_children         # a bound on the trials per depth, known on the host
+    for depth in range(depth_max + 1):
+        p = probs[node_row.gather(1, cur[:, None]).squeeze(1)].double()       # residual at each row's node
+        remaining = valid & (tree.parents == cur[:, None]) & ~done[:, None]
+        accepted = torch.full((B,), -1, dtype=torch.long, device=device)
+        at_depth = torch.full((B,), depth, dtype=torch.long, device=device)
+        for trial in range(1, trials + 1):
+            trying = remaining.any(1) & (accepted < 0)
+            child = torch.where(remaining, arange, N).min(1).values.clamp(max=N - 1)
+            tok = tree.tokens.gather(1, child[:, None])
+            p_tok = p.gather(1, tok).squeeze(1)
+            take = trying & (sb.request_uniforms(at_depth, trial) * p.sum(1) < p_tok)
+            accepted = torch.where(take, child, accepted)
+            p.scatter_(1, tok, torch.where(trying & ~take, 0.0, p_tok)[:, None])
+            remaining &= ~((arange[None, :] == child[:, None]) & trying[:, None])
+        stop = ~done & (accepted < 0)
+        draw = sample_from_probs(p, sb.request_uniforms(at_depth, 0))
+        bonus = torch.where(stop, draw, bonus)
+        done |= stop
+        moved = ~done
+        if depth < depth_max:
+            index[:, depth + 1] = torch.where(moved, accepted.clamp(min=0), 0)
+        length += moved.long()
+        cur = torch.where(moved, accepted, cur)
+    return Accepted(index, length, bonus)
+
+
+def _rejection(tree: TreeBatch, probs: torch.Tensor, node_row: torch.Tensor, sb: SamplingBatch) -> Accepted:
+    """Chains only: tree.draft_probs[b, i] is q for node i's token."""
     assert tree.is_chain and tree.draft_probs is not None
-    path = [0]
-    for node in range(1, len(tree)):
-        p, q = probs[node - 1].double(), tree.draft_probs[node - 1].double()
-        tok = tree.tokens[node]
-        if q[tok] > 0 and uniform(node - 1, 1) * float(q[tok]) < float(p[tok]):
-            path.append(node)
-            continue
-        residual = (p - q).clamp_min(0.0)
-        if float(residual.sum()) <= 0:      # p == q up to rounding: any draw from p is right
-            residual = p
-        return path, _draw(residual, uniform(node - 1, 0))
-    return path, _draw(probs[len(tree) - 1].double(), uniform(len(tree) - 1, 0))
-
-
-def _draw(p: torch.Tensor, u: float) -> int:
-    return int(sample_from_probs((p / p.sum())[None], [u])[0])
+    B, N = tree.tokens.shape
+    device = probs.device
+    q = tree.draft_probs.to(device).double()
+    p = probs.double()
+    depth = torch.arange(N - 1, device=device).expand(B, -1)
+    tok = tree.tokens[:, 1:]
+    p_tok = p[node_row[:, :-1]].gather(2, tok[:, :, None]).squeeze(2)            # p at node i-1 of token i
+    q_tok = q[:, 1:].gather(2, tok[:, :, None]).squeeze(2)
+    u = sb.request_uniforms(depth, 1)
+    ok = (q_tok > 0) & (u * q_tok < p_tok) & tree.valid[:, 1:]
+    drafted = ok.long().cumprod(1).sum(1)                                         # accepted drafts
+    sizes = torch.tensor(tree.sizes, device=device)
+    p_last = p[node_row.gather(1, drafted[:, None]).squeeze(1)]
+    q_next = q.gather(1, (drafted + 1).clamp(max=N - 1)[:, None, None].expand(-1, 1, q.shape[-1])).squeeze(1)
+    residual = torch.where((drafted + 1 < sizes)[:, None], (p_last - q_next).clamp_min(0.0), p_last)
+    # p == q up to rounding: any draw from p is right.
+    residual = torch.where((residual.sum(1) > 0)[:, None], residual, p_last)
+    bonus = sample_from_probs(residual / residual.sum(1, keepdim=True), sb.request_uniforms(drafted, 0))
+    arange = torch.arange(N, device=device)
+    index = torch.where(arange[None, :] <= drafted[:, None], arange, 0)
+    return Accepted(index, drafted + 1, bonus)

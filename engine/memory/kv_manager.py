@@ -1,0 +1,138 @@
+"""KVManager: the one owner of KV memory bookkeeping, used by the scheduler alone.
+
+It hands out KV slots (the token-level free list), keeps the request-to-token table (row r, position p:
+the slot holding that token's KV) and the radix cache of shared prefixes, and commits a step's
+accepted tokens into the table; whatever a step allocated and did not commit goes back to the free
+list, which is all a rollback is. Every model (the target and any draft) keeps its own K/V buffers
+indexed by these same slots, so a cached prefix is cached for the draft too.
+
+Drafts whose KV at position t depends on token t + 1 (EAGLE, EAGLE-3, MTP: they read the target's
+feature at t with the embedding of t + 1) key the radix cache by token pairs, so a match also agrees
+on the token after each cached position (SGLang does the same for EAGLE).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from engine.memory.kv_pool import TokenSlotAllocator
+from engine.memory.radix_cache import RadixCache
+from engine.request import Request
+
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
+
+
+class KVManager:
+    def __init__(self, num_slots: int, max_rows: int, max_context: int, device, radix: bool):
+        self.allocator = TokenSlotAllocator(num_slots)
+        self.table = torch.zeros((max_rows, max_context), dtype=torch.int64, device=device)
+        self._free_rows = list(range(max_rows))
+        self.radix: Optional[RadixCache] = RadixCache(self.allocator) if radix else None
+        self.pair_keys = False
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def capacity(self) -> int:
+        return self.allocator.size
+
+    def available(self) -> int:
+        """Slots that can be had now: free ones plus unlocked cached ones (evicted on demand)."""
+        return self.allocator.available() + self.cached()
+
+    def cached(self) -> int:
+        return self.radix.evictable_size() if self.radix else 0
+
+    def rows_available(self) -> int:
+        return len(self._free_rows)
+
+    def use_pair_keys(self, on: bool) -> None:
+        """Key the radix cache by token pairs (drafts that read the next token); the cache is emptied
+        when the key changes, since entries made under the other key do not carry what it promises."""
+        if on != self.pair_keys:
+            self.flush()
+            self.pair_keys = on
+
+    def flush(self) -> None:
+        """Evict every unlocked cached prefix."""
+        if self.radix:
+            self.radix.evict(self.radix.evictable_size())
+
+    # ------------------------------------------------------------------ slots
+    def alloc(self, n: int) -> torch.Tensor:
+        """n slots, evicting cached prefixes as needed. The caller checked `available()` first."""
+        short = n - self.allocator.available()
+        if short > 0 and self.radix:
+            self.radix.evict(short)
+        slots = self.allocator.alloc(n)
+        assert slots is not None, "callers check available() first"
+        return slots
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots)
+
+    # ------------------------------------------------------------------ requests
+    def match(self, req: Request) -> tuple[torch.Tensor, object]:
+        """The longest cached prefix of the request's tokens (slots, radix node), leaving at least its
+        last token to compute: that token's logits give the next one."""
+        if not self.radix:
+            return _NO_SLOTS, None
+        return self.radix.match_prefix(self._key(req.token_ids, req.seq_len - 1))
+
+    def lock(self, node) -> None:
+        """Pin a matched prefix (it stops counting as available)."""
+        if self.radix:
+            self.radix.inc_lock_ref(node)
+
+    def unlock(self, node) -> None:
+        if self.radix:
+            self.radix.dec_lock_ref(node)
+
+    def admit(self, req: Request, prefix: torch.Tensor, node) -> None:
+        """Give the request a table row holding its cached prefix, which the caller has locked; the
+        lock is the request's until `release`."""
+        req.row = self._free_rows.pop()
+        req.prefix_len = req.kv_len = len(prefix)
+        req.radix_node = node
+        self.table[req.row, :len(prefix)] = prefix.to(self.table.device)
+
+    def commit(self, reqs: Sequence[Request], counts: Sequence[int], slots: torch.Tensor) -> None:
+        """Append counts[i] tokens to reqs[i]'s cached length, their KV being in the next counts[i]
+        entries of `slots` (flat, request after request)."""
+        total = sum(counts)
+        if total == 0:
+            return
+        device = self.table.device
+        n = torch.tensor(counts, device=device)
+        rows = torch.tensor([r.row for r in reqs], device=device).repeat_interleave(n)
+        starts = torch.tensor([r.kv_len for r in reqs], device=device).repeat_interleave(n)
+        within = torch.arange(total, device=device) - (n.cumsum(0) - n).repeat_interleave(n)
+        self.table[rows, starts + within] = slots.to(device)
+        for req, k in zip(reqs, counts):
+            req.kv_len += k
+
+    def release(self, req: Request) -> None:
+        """Give back a request's KV: into the radix cache when on (the request itself may reuse it on
+        resume, or others may), else to the free list; then its table row."""
+        if req.row is None:
+            return
+        slots = self.table[req.row, :req.kv_len].cpu()
+        # KV past a cut (a stop inside an accepted run) is not the request's text; pair keys also need
+        # the token after each kept position.
+        keep = min(req.kv_len, req.seq_len - self.pair_keys)
+        self.allocator.free(slots[keep:])
+        if self.radix:
+            dup = self.radix.insert(self._key(req.token_ids, keep), slots[:keep])
+            self.allocator.free(slots[req.prefix_len:dup])
+            self.radix.dec_lock_ref(req.radix_node)
+        else:
+            self.allocator.free(slots[:keep])
+        self._free_rows.append(req.row)
+        req.row, req.kv_len, req.prefix_len, req.radix_node = None, 0, 0, None
+
+    def _key(self, ids: Sequence[int], n: int) -> Sequence[int]:
+        """Radix key of the first n positions: the tokens, or (token, next token) pairs as one int."""
+        if not self.pair_keys:
+            return ids[:n]
+        return [(a << 32) | b for a, b in zip(ids[:n], ids[1:n + 1])]

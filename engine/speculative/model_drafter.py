@@ -1,0 +1,113 @@
+"""ModelDrafter: drafting with a model (STANDALONE, EAGLE, EAGLE-3, MTP), shared by all of them.
+
+The draft keeps its K/V in its own buffers at the target's slots and table rows, so whatever the
+target has cached (a radix-shared prefix included) the draft has cached too. Its cache follows the
+target's: after every prefill piece and every verification the draft is fed the committed tokens at
+their slots ("extend", subclass by subclass), so it never holds a rejected token.
+
+A draft step, for the whole batch at once: the roots' draft scores (`root`), then the EAGLE-2 search
+(draft_tree_search), one draft forward per depth. The frontier at depth d sees the cached context, then
+its own ancestors drafted at depths 1..d-1, through scratch slots that come with the step (freed by the
+scheduler afterwards) and a mask over them: no table row is copied or written.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from engine.forward_batch import ForwardBatch, make_batch
+from engine.request import Request
+from engine.sampling import SamplingBatch, sample_from_probs
+from engine.speculative.draft_tree_search import Draw, search_trees
+from engine.speculative.drafter import Drafter
+from engine.speculative.tree import TreeBatch
+from engine.step import DecodeStep
+
+# Uniform streams for drafted tokens, apart from verification's (0 for bonus draws, 1.. for trials).
+DRAFT_STREAM = 1000
+
+
+class ModelDrafter(Drafter):
+    # Draft position of the depth-d frontier: kv_len + d + position_shift. EAGLE-style drafts read the
+    # token after their position (shift -1); an LLM draft reads its own (0), its root fed into the
+    # root's tree slot first, which then precedes every drafted node.
+    position_shift = 0
+    root_in_kv = False
+
+    def __init__(self, steps: int, topk: int, num_draft_tokens: int, rejection: bool, eos_ids: Sequence[int],
+                 table: torch.Tensor):
+        self.eos_ids, self.table = list(eos_ids), table
+        self.set_tree((steps, topk, num_draft_tokens), rejection)
+
+    def set_tree(self, tree: tuple[int, int, int], rejection: bool) -> None:
+        super().set_tree(tree, rejection)
+        self.scratch_slots = (self.steps - 1) * self.topk     # the frontiers of depths 1 .. steps - 1
+        self.rejection = rejection
+
+    # ------------------------------------------------------------------ to implement
+    def root(self, step: DecodeStep, roots: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The roots' draft scores [B, V] (target vocabulary) and the state their children read."""
+        raise NotImplementedError
+
+    def feed(self, batch: ForwardBatch, parent_states: Optional[torch.Tensor]) -> torch.Tensor:
+        """One draft forward over the batch's new tokens; returns the draft's outputs [T, H]."""
+        raise NotImplementedError
+
+    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the target vocabulary, -inf where the draft cannot propose."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the draft step
+    def draft(self, step: DecodeStep) -> TreeBatch:
+        reqs, B, device = step.reqs, len(step.reqs), self.table.device
+        roots = torch.tensor([r.token_ids[-1] for r in reqs], device=device)
+        rows, prefix = [r.row for r in reqs], [r.kv_len for r in reqs]
+        kv_lens = torch.tensor(prefix, device=device)
+        root_scores, root_state = self.root(step, roots)
+        scratch = step.slots[:, self.num_draft_tokens:].to(device)
+        k = min(self.topk, root_scores.shape[-1])
+        eye = torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)
+        seen = torch.zeros((B, k, 0), dtype=torch.bool, device=device)     # frontier's drafted ancestors
+        states = None if root_state is None else root_state[:, None]
+
+        def expand(depth: int, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+            nonlocal seen, states
+            if depth > 1:
+                seen = torch.cat([seen.gather(1, parents[:, :, None].expand(-1, -1, seen.shape[2])),
+                                  torch.nn.functional.one_hot(parents, k).bool()], dim=2)
+            masks, extra = torch.cat([seen, eye], dim=2), scratch[:, :(depth - 1) * k]
+            if self.root_in_kv:
+                masks = torch.cat([masks.new_ones((B, k, 1)), masks], dim=2)
+                extra = torch.cat([step.slots[:, :1].to(device), extra], dim=1)
+            positions = (kv_lens + depth + self.position_shift)[:, None].expand(B, k)
+            batch = make_batch(self.table, rows, prefix, tokens.flatten(),
+                               scratch[:, (depth - 1) * k:depth * k].flatten(), [k] * B,
+                               positions=positions.flatten(), extra_slots=extra.flatten(),
+                               extra_lens=[extra.shape[1]] * B, masks=masks)
+            parent_states = None if states is None else states.gather(
+                1, parents[:, :, None].expand(-1, -1, states.shape[2])).flatten(0, 1)
+            hidden = self.feed(batch, parent_states)
+            states = hidden.view(B, k, -1)
+            return self.scores(hidden).view(B, k, -1)
+
+        return search_trees(roots, root_scores, expand, self.steps, self.topk, self.num_draft_tokens,
+                            self._draw(reqs) if self.topk == 1 else None)
+
+    def _draw(self, reqs: Sequence[Request]) -> Optional[Draw]:
+        """Sampled requests checked by rejection sampling draw their chain from the draft's distribution,
+        processed by their sampling parameters (temperature, top-k/p, min-p; penalties without the
+        drafted path: any q keeps rejection sampling exact), with uniforms of their own."""
+        if not self.rejection or all(r.params.greedy for r in reqs):
+            return None
+        device = self.table.device
+        drew = torch.tensor([not r.params.greedy for r in reqs], device=device)
+
+        def draw(depth: int, scores: torch.Tensor):
+            at = torch.full((len(reqs),), depth - 1, dtype=torch.long, device=device)
+            sb = SamplingBatch(reqs, self.eos_ids, device, depth=at)
+            q = sb.probs(scores)
+            return sample_from_probs(q, sb.request_uniforms(at, DRAFT_STREAM + depth)), q, drew
+
+        return draw

@@ -1,0 +1,44 @@
+"""What crosses between the scheduler and the worker in one step: the work, with its KV slots already
+allocated by the scheduler, and the result, which only the scheduler applies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from engine.request import Request
+
+
+@dataclass
+class PrefillStep:
+    """Prompt pieces: reqs[i] feeds lens[i] tokens after its kv_len cached ones, into `slots` (flat,
+    request after request). A piece that reaches the end of its prompt yields the first output token."""
+    reqs: list[Request]
+    lens: list[int]
+    slots: torch.Tensor
+
+    def completes(self, i: int) -> bool:
+        req = self.reqs[i]
+        return req.kv_len + self.lens[i] == req.seq_len
+
+    def input_ids(self) -> list[int]:
+        return [t for req, n in zip(self.reqs, self.lens) for t in req.token_ids[req.kv_len:req.kv_len + n]]
+
+
+@dataclass
+class DecodeStep:
+    """One decode step of the running requests. slots[b]: the KV slots request b may use this step:
+    one per tree node (the root's first), then the drafter's scratch."""
+    reqs: list[Request]
+    slots: torch.Tensor          # [B, slots per request]
+
+
+@dataclass
+class StepResult:
+    tokens: list[list[int]]                  # new tokens per request (none for a piece of a prompt)
+    counts: list[int]                        # tokens whose KV to commit, per request
+    kept: Optional[torch.Tensor] = None      # decode: [B, S] bool, the slots of those tokens in order
+    drafts: Optional[list[int]] = None       # speculative decode: draft tokens accepted per request
+    captured: Optional[list] = None          # per request, hidden states to keep (Request.captured)
