@@ -44,9 +44,9 @@ class Engine:
         self.model_dir, self.model_config = parts.model_dir, parts.model_config
         self.tokenizer, self.eos_ids = parts.tokenizer, parts.eos_ids
         self._kv, self._target, self._scheduler = parts.kv, parts.target, parts.scheduler
-        # Loaded drafters by what they draft with, so a new tree shape reuses the draft's weights.
+        # Loaded draft models' drafters by what they draft with: a new tree shape reuses the weights.
         drafter = self._scheduler.worker.drafter
-        self._drafters = {_draft_key(self.args): drafter} if drafter else {}
+        self._drafters = {_draft_key(self.args): drafter} if _has_draft_model(self.args) else {}
         self._ids = itertools.count()
         self._seeds = itertools.count()
 
@@ -82,9 +82,9 @@ class Engine:
     # ------------------------------------------------------------------ reconfiguring, between requests
     def set_speculative(self, **changes: Any) -> None:
         """Switch speculative decoding (ServerArgs' speculative_* fields; speculative_algorithm=None is
-        plain decoding) without reloading the target. A draft already loaded for the same algorithm,
-        draft and token map is reused with the new tree shape; the prefix cache is emptied. Only
-        between requests."""
+        plain decoding) without reloading the target. A draft model already loaded for the same
+        algorithm, draft and token map is reused with the new tree shape; an n-gram cache starts empty,
+        and so does the prefix cache. Only between requests."""
         unknown = sorted(set(changes) - set(_SPECULATIVE_FIELDS))
         if unknown:
             raise ConfigError(f"set_speculative takes speculative_* options only; got {', '.join(unknown)}.")
@@ -102,9 +102,11 @@ class Engine:
         key = _draft_key(args)
         drafter = self._drafters.get(key)
         if args.speculative_algorithm and drafter is None:
-            self._drafters = {}          # free the draft in use before loading another
+            if _has_draft_model(args):
+                self._drafters = {}          # free the draft in use before loading another
             worker = build_worker(args, self._target, self._kv, self._load_draft(args), self.eos_ids)
-            self._drafters[key] = worker.drafter
+            if _has_draft_model(args):
+                self._drafters[key] = worker.drafter
         else:
             if drafter is not None:
                 drafter.set_tree(args.speculative_tree, uses_rejection(args))
@@ -251,6 +253,10 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _has_draft_model(args: ServerArgs) -> bool:
+    return args.speculative_algorithm not in (None, "NGRAM")
 
 
 def _draft_key(args: ServerArgs) -> tuple:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import ConfigError, Engine
+from engine.sampling_params import SamplingParams
 from engine.speculative.draft_tree_search import search_trees
 from tests.tiny import make_model, make_tokenizer
 
@@ -236,3 +237,24 @@ def test_vocabulary_checks(tmp_path, target_dir, plain_outputs):
     ps, ref = plain_outputs
     padded = make_model(tmp_path / "v384", "llama", vocab=384, seed=3)
     assert generate(engine(target_dir, padded, (2, 2, 4)), ps) == ref
+
+
+def test_set_speculative_switches_without_reloading(target_dir, draft_dir, plain_outputs):
+    """Tree shapes and plain decoding in turn on one engine: outputs stay the target's, the loaded
+    draft model is reused, and a switch while requests run is refused."""
+    ps, ref = plain_outputs
+    eng = engine(target_dir, draft_dir, (3, 1, 4))
+    model = eng._scheduler.worker.drafter.model
+    for tree in [(2, 2, 4), None, (3, 1, 4)]:
+        if tree is None:
+            eng.set_speculative(speculative_algorithm=None)
+        else:
+            eng.set_speculative(speculative_algorithm="STANDALONE", speculative_draft_model_path=str(draft_dir),
+                                **dict(zip(("speculative_num_steps", "speculative_eagle_topk",
+                                            "speculative_num_draft_tokens"), tree)))
+        assert generate(eng, ps) == ref
+        assert ("spec_verify_ct" in eng.stats()) == (tree is not None)
+        assert tree is None or eng._scheduler.worker.drafter.model is model
+    eng.add_request(eng.make_request(ps[0], SamplingParams(**GREEDY)))
+    with pytest.raises(ConfigError, match="between requests"):
+        eng.set_speculative(speculative_algorithm=None)
