@@ -78,10 +78,9 @@ class Worker:
         tree = (self.drafter.draft(step) if self.drafter else
                 TreeBatch.roots(torch.tensor([r.token_ids[-1] for r in reqs], device=device)))
         full = all(n == tree.width for n in tree.sizes)
-        valid = tree.valid
 
         def flat(x: torch.Tensor) -> torch.Tensor:
-            return x.flatten(0, 1) if full else x[valid]
+            return x.flatten(0, 1) if full else x[tree.valid]
 
         depth = tree.depth
         kv = torch.tensor([r.kv_len for r in reqs], device=device)

@@ -100,15 +100,13 @@ class KVManager:
     def commit(self, reqs: Sequence[Request], counts: Sequence[int], slots: torch.Tensor) -> None:
         """Append counts[i] tokens to reqs[i]'s cached length, their KV being in the next counts[i]
         entries of `slots` (flat, request after request)."""
-        total = sum(counts)
-        if total == 0:
+        if not any(counts):
             return
+        # Index lists built on the host: a handful of tokens per request, cheaper than tensor arithmetic.
+        rows = [r.row for r, k in zip(reqs, counts) for _ in range(k)]
+        cols = [r.kv_len + j for r, k in zip(reqs, counts) for j in range(k)]
         device = self.table.device
-        n = torch.tensor(counts, device=device)
-        rows = torch.tensor([r.row for r in reqs], device=device).repeat_interleave(n)
-        starts = torch.tensor([r.kv_len for r in reqs], device=device).repeat_interleave(n)
-        within = torch.arange(total, device=device) - (n.cumsum(0) - n).repeat_interleave(n)
-        self.table[rows, starts + within] = slots.to(device)
+        self.table[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = slots.to(device)
         for req, k in zip(reqs, counts):
             req.kv_len += k
 

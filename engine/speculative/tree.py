@@ -71,6 +71,7 @@ class TreeBatch:
     # (row 0 unused); None when drafts are deterministic (greedy drafting, n-grams).
     draft_probs: Optional[torch.Tensor] = None
     _ancestors: Optional[torch.Tensor] = field(default=None, repr=False)
+    _valid: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @classmethod
     def from_trees(cls, trees: Sequence[DraftTree], device) -> "TreeBatch":
@@ -99,8 +100,10 @@ class TreeBatch:
     @property
     def valid(self) -> torch.Tensor:
         """[B, N] bool: the node exists."""
-        sizes = torch.tensor(self.sizes, device=self.tokens.device)
-        return torch.arange(self.width, device=self.tokens.device)[None, :] < sizes[:, None]
+        if self._valid is None:
+            sizes = torch.tensor(self.sizes, device=self.tokens.device)
+            self._valid = torch.arange(self.width, device=self.tokens.device)[None, :] < sizes[:, None]
+        return self._valid
 
     @property
     def ancestors(self) -> torch.Tensor:

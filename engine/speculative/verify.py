@@ -32,6 +32,9 @@ class Accepted:
 def verify(tree: TreeBatch, logits: torch.Tensor, sb: SamplingBatch, rejection: Sequence[bool]) -> Accepted:
     """logits [T, V]: the target's, node after node, tree after tree (T = sum(tree.sizes));
     `sb` has one row per node; rejection[b]: request b's chain is checked by rejection sampling."""
+    if tree.width == 1:                 # root-only trees: the bonus is the sampled token
+        zeros = torch.zeros((tree.batch_size, 1), dtype=torch.long, device=logits.device)
+        return Accepted(zeros, zeros[:, 0] + 1, sb.sample(logits))
     node_row = _node_rows(tree)
     if sb.all_greedy:
         return _greedy(tree, sb.adjust(logits).argmax(-1)[node_row])
