@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from engine.config import MAX_SPECULATIVE_STEPS, ServerArgs
+from engine.config import ServerArgs
 from engine.errors import ConfigError
 from engine.memory.kv_manager import KVManager
 from engine.memory.kv_pool import KVPool
@@ -101,8 +101,7 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     dtype = resolve_dtype(args.dtype, config, device)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    # Tree nodes sit up to MAX_SPECULATIVE_STEPS positions past the newest token.
-    max_positions = args.context_length + MAX_SPECULATIVE_STEPS
+    max_positions = args.max_positions
     target = load_model(model_dir, config, dtype, device, max_positions)
     draft = load_draft_model(args, target, model_dir, dtype, device, max_positions)
 
@@ -116,7 +115,7 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     pool = KVPool(layers, slots, heads, head_dim, dtype, device)
     runner = ModelRunner(target, pool, create_backend(args.attention_backend, device, pool))
     eos = eos_token_ids(model_dir, config, tokenizer)
-    worker = build_worker(args, runner, kv, draft, eos)
+    worker = build_worker(args, runner, kv, eos, draft)
     scheduler = Scheduler(args, kv, worker, tokenizer, eos, args.context_length, max_running, device)
     log.info("model %s: %s, %.0f MiB of weights%s; KV pool %d tokens (%.0f MiB)", model_dir, dtype,
              model_bytes(target) / 2**20, f" + {model_bytes(draft) / 2**20:.0f} MiB draft" if draft is not None else "",
@@ -124,10 +123,14 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     return EngineParts(args, model_dir, config, tokenizer, kv, runner, draft, scheduler, eos)
 
 
-def build_worker(args: ServerArgs, runner: ModelRunner, kv: KVManager, draft: Optional[nn.Module], eos_ids):
+def build_worker(args: ServerArgs, runner: ModelRunner, kv: KVManager, eos_ids, draft: Optional[nn.Module] = None,
+                 drafter=None):
+    """The worker for `args`: with `drafter` (one already loaded), or a new drafter over `draft`."""
     from engine.speculative.factory import create_drafter, uses_rejection
     from engine.worker import Worker
 
-    drafter = create_drafter(args, draft, runner.model, kv.capacity, kv.table.shape[0], kv.table, eos_ids)
+    if drafter is None:
+        drafter = create_drafter(args, draft, runner.model, kv.capacity, kv.table.shape[0], kv.table, eos_ids)
     tokens = args.speculative_num_draft_tokens if drafter else 1
-    return Worker(runner, kv.table, eos_ids, drafter, tokens, uses_rejection(args))
+    return Worker(runner, kv.table, eos_ids, drafter, tokens, uses_rejection(args),
+                  args.speculative_attention_mode == "decode")

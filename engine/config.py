@@ -252,6 +252,11 @@ class ServerArgs:
         return min(chunk, self.max_prefill_tokens) if chunk > 0 else self.max_prefill_tokens
 
     @property
+    def max_positions(self) -> int:
+        """Positions a model must rotate: tree nodes sit up to MAX_SPECULATIVE_STEPS past the newest token."""
+        return self.context_length + MAX_SPECULATIVE_STEPS
+
+    @property
     def speculative_tree(self) -> Optional[tuple[int, int, int]]:
         if self.speculative_algorithm is None:
             return None

@@ -101,30 +101,25 @@ class Engine:
 
         key = _draft_key(args)
         drafter = self._drafters.get(key)
-        if args.speculative_algorithm and drafter is None:
+        if drafter is not None:
+            drafter.set_tree(args.speculative_tree, uses_rejection(args))
+            worker = build_worker(args, self._target, self._kv, self.eos_ids, drafter=drafter)
+        else:
             if _has_draft_model(args):
                 self._drafters = {}          # free the draft in use before loading another
-            worker = build_worker(args, self._target, self._kv, self._load_draft(args), self.eos_ids)
+            worker = build_worker(args, self._target, self._kv, self.eos_ids, self._load_draft(args))
             if _has_draft_model(args):
                 self._drafters[key] = worker.drafter
-        else:
-            if drafter is not None:
-                drafter.set_tree(args.speculative_tree, uses_rejection(args))
-            from engine.worker import Worker
-
-            worker = Worker(self._target, self._kv.table, self.eos_ids, drafter,
-                            args.speculative_num_draft_tokens if drafter else 1, uses_rejection(args))
         worker.capture = self._scheduler.worker.capture
         self._scheduler.set_worker(worker, args)
         self.args = args
 
     def _load_draft(self, args: ServerArgs):
-        from engine.config import MAX_SPECULATIVE_STEPS
         from engine.speculative.factory import load_draft_model
 
         model = self._target.model
         return load_draft_model(args, model, self.model_dir, next(model.parameters()).dtype,
-                                str(self._kv.table.device), args.context_length + MAX_SPECULATIVE_STEPS)
+                                str(self._kv.table.device), args.max_positions)
 
     def flush_cache(self) -> None:
         """Empty the prefix cache (benchmarks that must not reuse another pass's prompts)."""

@@ -53,6 +53,15 @@ class ForwardBatch:
         new = self.out_slots.split(self.extend_lens)
         return torch.cat([t for pair in zip(extra, new) for t in pair])
 
+    def padded_tails(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, max tail] each request's tail slots, 0-padded; [B] tail lengths), on the device."""
+        device, lens = self.out_slots.device, self.tail_lens
+        n = torch.tensor(lens, device=device)
+        tails = torch.zeros((len(lens), max(lens)), dtype=torch.long, device=device)
+        b = torch.arange(len(lens), device=device).repeat_interleave(n, output_size=sum(lens))
+        tails[b, torch.arange(len(b), device=device) - (n.cumsum(0) - n)[b]] = self.tail_slots
+        return tails, n
+
 
 def make_batch(table: torch.Tensor, rows: Sequence[int], prefix_lens: Sequence[int], input_ids,
                out_slots: torch.Tensor, extend_lens: Sequence[int], *, positions: Optional[torch.Tensor] = None,

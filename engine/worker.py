@@ -27,9 +27,12 @@ from engine.step import DecodeStep, PrefillStep, StepResult
 
 class Worker:
     def __init__(self, target: ModelRunner, table: torch.Tensor, eos_ids: Sequence[int],
-                 drafter: Optional[Drafter] = None, num_draft_tokens: int = 1, rejection: bool = False):
+                 drafter: Optional[Drafter] = None, num_draft_tokens: int = 1, rejection: bool = False,
+                 tree_as_decode: bool = False):
         self.target, self.table, self.eos_ids = target, table, list(eos_ids)
         self.drafter, self.num_draft_tokens, self.rejection = drafter, num_draft_tokens, rejection
+        # --speculative-attention-mode decode: every tree node is a decode row of its own.
+        self.tree_as_decode = tree_as_decode
         self.capture: tuple[int, ...] = ()          # hidden states to return per request (Request.captured)
 
     @property
@@ -85,10 +88,13 @@ class Worker:
         depth = tree.depth
         kv = torch.tensor([r.kv_len for r in reqs], device=device)
         slots = step.slots.to(device)
-        batch = make_batch(self.table, [r.row for r in reqs], [r.kv_len for r in reqs],
-                           flat(tree.tokens), flat(slots[:, :tree.width]), tree.sizes,
-                           positions=flat(kv[:, None] + depth), masks=None if tree.is_chain else tree.ancestors,
-                           capture_hidden=self._capture_hidden)
+        if self.tree_as_decode and tree.width > 1:
+            batch = self._nodes_as_decode_rows(reqs, tree, slots)
+        else:
+            batch = make_batch(self.table, [r.row for r in reqs], [r.kv_len for r in reqs],
+                               flat(tree.tokens), flat(slots[:, :tree.width]), tree.sizes,
+                               positions=flat(kv[:, None] + depth), masks=None if tree.is_chain else tree.ancestors,
+                               capture_hidden=self._capture_hidden)
         out = self.target.forward(batch, all_logits=True)
         sb = SamplingBatch(reqs, self.eos_ids, device, rows_per_req=tree.sizes, depth=flat(depth),
                            paths=PathTokens(tree.ancestors, tree.tokens) if tree.width > 1 else None)
@@ -114,6 +120,20 @@ class Worker:
             captured = self._captured(out, rows, lengths, reqs, out.logits[rows].argmax(-1))
         return StepResult(tokens, lengths, kept=kept, drafts=[n - 1 for n in lengths] if self.drafter else None,
                           captured=captured)
+
+    def _nodes_as_decode_rows(self, reqs, tree: TreeBatch, slots: torch.Tensor):
+        """The tree verified as decode rows, SGLang's "decode" attention mode: node i of request b is a
+        row of one token after the request's cached prefix, its drafted ancestors' slots as extra keys.
+        One host read of the depths: the rows' extra key counts."""
+        valid, depth = tree.valid, tree.depth
+        B, N = tree.tokens.shape
+        strict = tree.ancestors & ~torch.eye(N, dtype=torch.bool, device=slots.device)
+        extra = slots[:, None, :N].expand(B, N, N)[strict & valid[:, :, None]]
+        node_req = torch.arange(B).repeat_interleave(torch.tensor(tree.sizes)).tolist()
+        return make_batch(self.table, [reqs[b].row for b in node_req], [reqs[b].kv_len for b in node_req],
+                          tree.tokens[valid], slots[:, :N][valid], [1] * len(node_req),
+                          positions=(torch.tensor([r.kv_len for r in reqs], device=slots.device)[:, None] + depth)[valid],
+                          extra_slots=extra, extra_lens=depth[valid].tolist(), capture_hidden=self._capture_hidden)
 
     def _captured(self, out: ForwardOutput, rows: torch.Tensor, lens: Sequence[int], reqs, argmax: torch.Tensor) -> list:
         """Per request, the committed positions' states: (first position, captured states [n, sum of

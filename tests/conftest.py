@@ -1,7 +1,12 @@
 """Test-wide settings and fixtures."""
 
+import os
 import sys
 import types
+
+# Without a GPU, Triton kernels run in Triton's interpreter (numpy); it must be chosen before the first
+# `import triton`, which torch may do itself.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -83,10 +83,18 @@ def test_greedy_identical_batched(algo, shape, target, tmp_path, plain_outputs):
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
 
 
+def _triton() -> bool:
+    from spec_kernels.paged_attention import available
+
+    return available()
+
+
 @pytest.mark.parametrize("algo", ALGOS)
-@pytest.mark.parametrize("variant", [{"disable_radix_cache": True}, {"chunked_prefill_size": 8},
-                                     {"max_running_requests": 1}, {"max_total_tokens": 75}],
-                         ids=["radix-off", "chunked", "batch-1", "preempt"])
+@pytest.mark.parametrize("variant", [
+    {"disable_radix_cache": True}, {"chunked_prefill_size": 8}, {"max_running_requests": 1},
+    {"max_total_tokens": 75}, {"speculative_attention_mode": "decode"},
+    pytest.param({"attention_backend": "triton"}, marks=pytest.mark.skipif(not _triton(), reason="no triton"))],
+    ids=["radix-off", "chunked", "batch-1", "preempt", "tree-as-decode-rows", "triton-kernels"])
 def test_greedy_identical_under_scheduling_variants(algo, variant, target, tmp_path, plain_outputs):
     eng = spec_engine(algo, target, tmp_path, (3, 2, 6), **variant)
     outs = eng.generate(input_ids=prompts(), sampling_params=GREEDY)

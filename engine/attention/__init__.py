@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from engine.attention.base import AttentionBackend
 from engine.errors import ConfigError
 
@@ -12,5 +14,22 @@ def create_backend(name: str, device: str, kv_pool) -> AttentionBackend:
         from engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(kv_pool)
-    raise ConfigError(f"--attention-backend {name} is not implemented yet (only torch is); use --attention-backend "
-                      "torch or auto.")
+    if name == "triton":
+        check_triton(device)
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(kv_pool)
+    raise ConfigError(f"--attention-backend {name} is not implemented yet (torch and triton are); use "
+                      "--attention-backend torch, triton or auto.")
+
+
+def check_triton(device: str) -> None:
+    """Triton kernels need Triton, and a GPU unless they run in Triton's interpreter."""
+    from spec_kernels.paged_attention import available
+
+    if not available():
+        raise ConfigError("--attention-backend triton needs the triton package: pip install triton "
+                          "(or install spec with the [gpu] extra).")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("--attention-backend triton runs on a CUDA GPU; on a CPU use --attention-backend torch "
+                          "(TRITON_INTERPRET=1 runs the kernels in Triton's interpreter, for checking only).")

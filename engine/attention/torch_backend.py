@@ -34,23 +34,21 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch) -> None:
         B, device = batch.batch_size, batch.table.device
-        tail_lens = batch.tail_lens
-        kv_lens = [p + t for p, t in zip(batch.prefix_lens, tail_lens)]
+        kv_lens = [p + t for p, t in zip(batch.prefix_lens, batch.tail_lens)]
         max_kv, max_new, max_prefix = max(kv_lens), max(batch.extend_lens), max(batch.prefix_lens)
         prefix = torch.tensor(batch.prefix_lens, device=device)
-        tail = torch.tensor(tail_lens, device=device)
+        tails, tail = batch.padded_tails()
         kv_index = torch.zeros((B, max_kv), dtype=torch.long, device=device)
         kv_index[:, :max_prefix] = batch.table[batch.rows, :max_prefix]
-        # Each request's tail goes right after its prefix.
-        b = torch.arange(B, device=device).repeat_interleave(tail, output_size=sum(tail_lens))
-        within = torch.arange(len(b), device=device) - (tail.cumsum(0) - tail)[b]
-        kv_index[b, prefix[b] + within] = batch.tail_slots
+        # Each request's tail goes right after its prefix; slot 0 (zeros) pads.
         key_pos = torch.arange(max_kv, device=device)
+        j = key_pos[None, :] - prefix[:, None]
+        kv_index = torch.where(j < 0, kv_index, tails.gather(1, j.clamp(0, tails.shape[1] - 1)))
         kv_len = prefix + tail
         kv_index = torch.where(key_pos[None, :] < kv_len[:, None], kv_index, 0)
 
-        if max_new == 1 and batch.masks is None and batch.extra_slots is None:
-            # Decode: one query per request; only the key padding needs masking.
+        if max_new == 1 and batch.masks is None:
+            # Decode: one query per request, which sees all its keys; only the padding needs masking.
             mask = None if min(kv_lens) == max_kv else (key_pos[None, :] < kv_len[:, None])[:, None, None, :]
             batch.attn = _Metadata(kv_index, mask, None, None, 1)
             return

@@ -1,0 +1,138 @@
+"""Paged attention over a token-level KV cache, in Triton: prefill, decode, tree verification and draft
+trees with one kernel, each query reading its keys in place through a list of slots (no gather).
+
+Layout (as the engine's attention backends see it):
+- q [T, H, D]: the new tokens of all requests, request after request (qo_indptr [B + 1]);
+- k_cache, v_cache [S, Hkv, D]: one model layer's K/V, indexed by slot;
+- request b's keys, in order: its cached prefix, the first prefix_lens[b] slots of row rows[b] of the
+  request-to-token table (read in place), then its tail: tails[b, :tail_lens[b]] (scratch keys of a
+  draft tree, then its new tokens, whose K/V are stored already);
+- visibility: the prefix is seen by all queries of its request; query i sees tail key j where
+  tail_mask[b, i, j], or, without a mask, causally: keys up to kv_len - n + i, n being its number of
+  queries.
+Online softmax in fp32 (Flash-Attention style), one program per (request, head, block of queries).
+`attention_reference` computes the same in plain torch; tests compare the two (on CPU under
+TRITON_INTERPRET=1, where Triton runs the kernel in numpy).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:                         # optional: the torch backend needs none of this
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+    @triton.jit
+    def _paged_attention_kernel(
+            q, k_cache, v_cache, out, qo_indptr, table, rows, prefix_lens, tails, tail_lens, tail_mask,
+            scale, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
+            stride_table, stride_tail, stride_mb, stride_mi, group: tl.constexpr, D: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        m_block = tl.program_id(2)
+        q_start = tl.load(qo_indptr + b)
+        n_q = tl.load(qo_indptr + b + 1) - q_start
+        if m_block * BLOCK_M >= n_q:
+            return
+        row = tl.load(rows + b)
+        prefix = tl.load(prefix_lens + b)
+        kv_len = prefix + tl.load(tail_lens + b)
+        kv_head = h // group
+
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        m_valid = offs_m < n_q
+        d_valid = offs_d < D
+        q_ptrs = q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
+        qb = tl.load(q_ptrs, mask=m_valid[:, None] & d_valid[None, :], other=0.0).to(tl.float32)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n_start in range(0, kv_len, BLOCK_N):
+            offs_n = n_start + tl.arange(0, BLOCK_N)
+            n_valid = offs_n < kv_len
+            tail = offs_n - prefix
+            in_prefix = offs_n < prefix
+            slots = tl.where(in_prefix, tl.load(table + row * stride_table + offs_n, mask=in_prefix, other=0),
+                             tl.load(tails + b * stride_tail + tail, mask=n_valid & (tail >= 0), other=0))
+            kb = tl.load(k_cache + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+                         mask=n_valid[:, None] & d_valid[None, :], other=0.0).to(tl.float32)
+            s = tl.dot(qb, tl.trans(kb)) * scale                                      # [BLOCK_M, BLOCK_N]
+            if HAS_MASK:
+                seen = tl.load(tail_mask + b * stride_mb + offs_m[:, None] * stride_mi + tail[None, :],
+                               mask=m_valid[:, None] & (tail >= 0)[None, :] & n_valid[None, :], other=0)
+                ok = in_prefix[None, :] | (seen != 0)
+            else:
+                ok = offs_n[None, :] <= kv_len - n_q + offs_m[:, None]
+            ok = ok & n_valid[None, :] & m_valid[:, None]
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vb = tl.load(v_cache + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+                         mask=n_valid[:, None] & d_valid[None, :], other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, vb)
+            m_i = m_new
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_ptrs = out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_indptr: torch.Tensor,
+                    table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor, tails: torch.Tensor,
+                    tail_lens: torch.Tensor, tail_mask: Optional[torch.Tensor], scale: float,
+                    max_queries: int) -> torch.Tensor:
+    """Attention output [T, H, D] (see the module doc); max_queries: the most queries of one request."""
+    T, H, D = q.shape
+    B = rows.shape[0]
+    out = torch.empty_like(q)
+    block_m = max(16, triton.next_power_of_2(min(max_queries, 64)))     # tl.dot wants 16 rows or more
+    mask = tail_mask if tail_mask is not None else tails                 # any tensor: unread without a mask
+    grid = (B, H, triton.cdiv(max_queries, block_m))
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, qo_indptr, table, rows, prefix_lens, tails, tail_lens, mask, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), table.stride(0), tails.stride(0),
+        mask.stride(0) if tail_mask is not None else 0, mask.stride(1) if tail_mask is not None else 0,
+        group=H // k_cache.shape[1], D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m, BLOCK_N=32,
+        HAS_MASK=tail_mask is not None)
+    return out
+
+
+def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_indptr: torch.Tensor,
+                        table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor, tails: torch.Tensor,
+                        tail_lens: torch.Tensor, tail_mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """The same attention, request by request in plain torch (fp32)."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[1]
+    for b in range(rows.shape[0]):
+        q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        prefix, n_tail = int(prefix_lens[b]), int(tail_lens[b])
+        slots = torch.cat([table[int(rows[b]), :prefix], tails[b, :n_tail]]).long()
+        n, kv_len = q1 - q0, prefix + n_tail
+        keys = k_cache[slots].float().repeat_interleave(group, 1)           # [kv_len, H, D]
+        values = v_cache[slots].float().repeat_interleave(group, 1)
+        j = torch.arange(kv_len)[None, :]
+        if tail_mask is not None:
+            seen = torch.cat([torch.ones(n, prefix, dtype=torch.bool), tail_mask[b, :n, :n_tail].bool()], 1)
+        else:
+            seen = j <= kv_len - n + torch.arange(n)[:, None]
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), keys) * scale
+        scores = scores.masked_fill(~seen[None], float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
+    return out
