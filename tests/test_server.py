@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import hmac
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -422,6 +423,23 @@ def test_api_key_required(live):
         assert c.get("/health").status_code == 200            # liveness probes need no key
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{live.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_requests_never_read_files(live, monkeypatch, tmp_path):
+    """No request field makes the server open a file, whatever path a client puts where."""
+    secret, opened = str(tmp_path / "secret.txt"), []
+    real_open, real_os_open = open, os.open
+    monkeypatch.setattr("builtins.open", lambda f, *a, **kw: (opened.append(str(f)), real_open(f, *a, **kw))[1])
+    monkeypatch.setattr(os, "open", lambda f, *a, **kw: (opened.append(str(f)), real_os_open(f, *a, **kw))[1])
+    message = {"role": "user", "content": secret, "name": "x"}
+    with live.http() as c:
+        c.get(f"/v1/models/{secret}")
+        for body in ({"model": secret, "prompt": secret, "max_tokens": 2},
+                     {"prompt": secret, "stop": [secret[:256]], "user": secret, "max_tokens": 2}):
+            c.post("/v1/completions", json=body)
+        c.post("/v1/chat/completions", json={"messages": [message], "max_tokens": 2, "model": secret})
+        assert c.post("/generate", json={"text": secret, "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+    assert not [f for f in opened if "secret" in f]
 
 
 def test_full_queue_answers_503_with_retry_after(model_dir, monkeypatch):
