@@ -13,11 +13,12 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 
 
-def text_problem(text: str) -> Optional[str]:
-    """Why `text` cannot be a prompt or stop string, or None. A lone UTF-16 surrogate (JSON allows
-    "\\ud800") has no UTF-8 form, so no tokenizer takes it; a NUL character is almost always binary
-    data or a C-string bug on the client's side, and is refused rather than guessed at."""
-    if "\x00" in text:
+def text_problem(text: str, allow_nul: bool = False) -> Optional[str]:
+    """Why `text` cannot be a prompt (or, with allow_nul, a stop string), or None. A lone UTF-16
+    surrogate (JSON allows "\\ud800") has no UTF-8 form: no tokenizer takes it, no output holds it. A
+    NUL character in a prompt is almost always binary data or a C-string bug on the client's side, and
+    is refused rather than guessed at; a model may well generate one, so a stop string may hold it."""
+    if not allow_nul and "\x00" in text:
         return "contains a NUL character (\\u0000)"
     try:
         text.encode("utf-8")
@@ -98,7 +99,7 @@ class SamplingParams:
             raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
                                "characters each.", "stop")
         for s in self.stop:
-            problem = text_problem(s)
+            problem = text_problem(s, allow_nul=True)
             if problem:
                 raise RequestError(f"stop {problem}.", "stop")
         if not isinstance(self.stop_token_ids, list) or not all(

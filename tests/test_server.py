@@ -482,6 +482,15 @@ def test_engine_failure_fails_requests_not_the_server(small, monkeypatch):
     assert _idle(small.metrics())
 
 
+def test_nul_is_refused_in_prompts_only(live):
+    """A NUL in a prompt is a client bug; in a stop string it is what a model may generate."""
+    with live.http() as c:
+        assert c.post("/v1/completions", json={"prompt": "a\x00b", "max_tokens": 2}).status_code == 400
+        assert c.post("/v1/completions", json={"prompt": "ab", "stop": ["\x00"], "max_tokens": 2}).status_code == 200
+        r = c.post("/generate", json={"text": "ab", "sampling_params": {"stop": "x\x00", "max_new_tokens": 2}})
+        assert r.status_code == 200
+
+
 def test_bad_inputs_leave_a_running_stream_untouched(live, offline):
     """Issue 18: one bad request cost everyone's; the bad inputs now stop at the edge."""
     body = {"prompt": "one two", "max_tokens": 64, "temperature": 0, "stream": True, **IGNORE_EOS}

@@ -17,15 +17,18 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from engine.sampling_params import text_problem
 
 
-def _plain_text(text: str) -> str:
-    problem = text_problem(text)
-    if problem:
-        raise ValueError(f"the text {problem}")
-    return text
+def _checked(allow_nul: bool):
+    def check(text: str) -> str:
+        problem = text_problem(text, allow_nul)
+        if problem:
+            raise ValueError(f"the text {problem}")
+        return text
+    return AfterValidator(check)
 
 
-# Text that reaches the tokenizer or the stop-string matcher.
-Text = Annotated[str, AfterValidator(_plain_text)]
+# Text that reaches the tokenizer, and stop strings.
+Text = Annotated[str, _checked(allow_nul=False)]
+StopText = Annotated[str, _checked(allow_nul=True)]
 
 
 class APIBody(BaseModel):
@@ -54,7 +57,7 @@ class _OpenAISampling(APIBody):
     top_p: Optional[float] = None
     n: int = 1
     seed: Optional[int] = None
-    stop: Union[Text, list[Text], None] = None
+    stop: Union[StopText, list[StopText], None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     presence_penalty: Optional[float] = None
