@@ -17,4 +17,8 @@ class ModelLoadError(SpecError):
 
 
 class RequestError(SpecError, ValueError):
-    """A request (prompt, sampling parameters) is invalid."""
+    """A request (prompt, sampling parameters) is invalid; `param` names the offending parameter."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

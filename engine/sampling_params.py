@@ -7,6 +7,25 @@ from typing import Any, Optional
 
 from engine.errors import RequestError
 
+INT_MAX = 2 ** 31 - 1            # integer parameters fit in int32 wherever the sampler makes tensors of them
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+
+
+def text_problem(text: str, allow_nul: bool = False) -> Optional[str]:
+    """Why `text` cannot be a prompt (or, with allow_nul, a stop string), or None. A lone UTF-16
+    surrogate (JSON allows "\\ud800") has no UTF-8 form: no tokenizer takes it, no output holds it. A
+    NUL character in a prompt is almost always binary data or a C-string bug on the client's side, and
+    is refused rather than guessed at; a model may well generate one, so a stop string may hold it."""
+    if not allow_nul and "\x00" in text:
+        return "contains a NUL character (\\u0000)"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"is not valid Unicode: a lone surrogate {text[exc.start]!r} at position {exc.start}"
+    return None
+
 
 @dataclass
 class SamplingParams:
@@ -36,7 +55,8 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise RequestError(f"Unknown sampling parameter(s) {', '.join(unknown)}; supported: {', '.join(sorted(known))}.")
+            raise RequestError(f"Unknown sampling parameter(s) {', '.join(unknown)}; "
+                               f"supported: {', '.join(sorted(known))}.", unknown[0])
         if isinstance(values.get("stop"), str):
             values["stop"] = [values["stop"]]
         for key in ("stop", "stop_token_ids"):
@@ -47,38 +67,46 @@ class SamplingParams:
         return params
 
     def validate(self) -> None:
-        def number(name: str, kind=(int, float)) -> Any:
+        """Types are checked strictly (a string is not a number, a bool is not an integer) and every
+        number against its range, so nothing malformed reaches the engine loop."""
+        def number(name: str, lo: float, hi: float, kind=(int, float), *, open_lo: bool = False) -> None:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, kind):
-                raise RequestError(f"{name} must be a number, got {value!r}.")
-            return value
+                raise RequestError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}.",
+                                   name)
+            if not (lo < value if open_lo else lo <= value) or not value <= hi:
+                raise RequestError(f"{name} must be in {'(' if open_lo else '['}{lo}, {hi}], got {value!r}.", name)
 
-        if number("max_new_tokens", int) < 0:
-            raise RequestError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}.")
-        if number("min_new_tokens", int) < 0:
-            raise RequestError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}.")
-        if not 0.0 <= number("temperature") <= 100.0:
-            raise RequestError(f"temperature must be in [0, 100], got {self.temperature}.")
-        if not 0.0 < number("top_p") <= 1.0:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if number("top_k", int) < -1:
-            raise RequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k}.")
-        if not 0.0 <= number("min_p") <= 1.0:
-            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}.")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not -2.0 <= number(name) <= 2.0:
-                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
-        if not 0.0 < number("repetition_penalty") <= 10.0:
-            raise RequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}.")
+        number("max_new_tokens", 0, INT_MAX, int)
+        number("min_new_tokens", 0, INT_MAX, int)
+        number("temperature", 0.0, 100.0)
+        number("top_p", 0.0, 1.0, open_lo=True)
+        number("top_k", -1, INT_MAX, int)     # -1 or 0: off; at or above the vocabulary size: off too
+        number("min_p", 0.0, 1.0)
+        number("frequency_penalty", -2.0, 2.0)
+        number("presence_penalty", -2.0, 2.0)
+        number("repetition_penalty", 0.0, 10.0, open_lo=True)
+        number("n", 1, INT_MAX, int)
+        if self.seed is not None:
+            number("seed", -2 ** 63, 2 ** 63 - 1, int)
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}.", name)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise RequestError("stop must be a non-empty string or a list of non-empty strings.")
+            raise RequestError("stop must be a non-empty string or a list of non-empty strings.", "stop")
+        # Each step checks every stop string against the text's tail, in Python: keep that cheap.
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+                               "characters each.", "stop")
+        for s in self.stop:
+            problem = text_problem(s, allow_nul=True)
+            if problem:
+                raise RequestError(f"stop {problem}.", "stop")
         if not isinstance(self.stop_token_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise RequestError("stop_token_ids must be a list of non-negative integers.")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise RequestError(f"seed must be an integer, got {self.seed!r}.")
-        if number("n", int) < 1:
-            raise RequestError(f"n must be >= 1, got {self.n}.")
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT_MAX for t in self.stop_token_ids):
+            raise RequestError("stop_token_ids must be a list of token ids (integers >= 0).", "stop_token_ids")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids.", "stop_token_ids")
 
     @property
     def greedy(self) -> bool:

@@ -5,8 +5,11 @@ free KV; bad input must get a 4xx with an OpenAI error body; SIGTERM must exit 0
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import hmac
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -22,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import Engine, ServerArgs
 from engine.server import make_server
+from engine.server.limits import ReadDeadlineProtocol
 from tests.tiny import make_model
 
 KEY = "test-key"
@@ -47,8 +51,9 @@ def _args(model_dir, **flags) -> ServerArgs:
 
 
 class Live:
-    def __init__(self, url: str, headers: dict, engine: Engine):
-        self.url, self.headers, self.engine = url, headers, engine
+    def __init__(self, url: str, headers: dict, engine: Engine, server):
+        self.url, self.headers, self.engine, self.server = url, headers, engine, server
+        self.serving = server.config.app.state.serving
 
     def http(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=kw.pop("timeout", 60), **kw)
@@ -64,7 +69,7 @@ class Live:
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return out
 
-    def wait_metrics(self, ok, timeout: float = 10.0) -> dict[str, float]:
+    def wait_metrics(self, ok, timeout: float = 60.0) -> dict[str, float]:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
@@ -84,10 +89,54 @@ def serve(args: ServerArgs, headers: dict | None = None):
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
     try:
-        yield Live(f"http://127.0.0.1:{server.port}", headers or {}, engine)
+        yield Live(f"http://127.0.0.1:{server.port}", headers or {}, engine, server)
     finally:
         server.should_exit = True
         thread.join(60)
+
+
+def wait_until(ok, what: str, timeout: float = 60.0) -> None:
+    """Polls for a state (never sleeps for a fixed time); the limit only turns a hang into a failure."""
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+class Hold:
+    """Holds the engine loop after its first step that produces output (once that output is delivered),
+    until released, so a test acts while its requests are surely mid-generation, however fast the
+    machine; `aborted` is set once the server has asked the loop to abort anything (a client disconnect)."""
+
+    def __init__(self, live: Live, monkeypatch):
+        self.started, self.released, self.aborted = threading.Event(), threading.Event(), threading.Event()
+        step, abort = live.engine.step, live.serving.loop.abort
+
+        def held_step():
+            if self.started.is_set():
+                self.released.wait(120)
+            out = step()
+            if out:
+                self.started.set()
+            return out
+
+        def spied_abort(rids):
+            abort(rids)
+            if rids:
+                self.aborted.set()
+
+        monkeypatch.setattr(live.engine, "step", held_step)
+        monkeypatch.setattr(live.serving.loop, "abort", spied_abort)
+
+    def __enter__(self) -> "Hold":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.released.set()
+
+
+def wait_for(event: threading.Event, what: str) -> None:
+    assert event.wait(120), f"timed out waiting for {what}"
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +157,8 @@ def live(model_dir):
 
 @pytest.fixture(scope="module")
 def small(model_dir):
-    """A short context and a short queue keep every fuzzed request cheap."""
-    with serve(_args(model_dir, max_queued_requests=4, context_length=64)) as s:
+    """A short context, a short queue and a small body limit keep every fuzzed request cheap."""
+    with serve(_args(model_dir, max_queued_requests=4, context_length=64, max_request_body_mb=1)) as s:
         yield s
 
 
@@ -218,16 +267,19 @@ def test_generate_native_shapes(live, offline):
                    for a, b in zip(events[:-2], events[1:-1]))
 
 
-def test_models_health_and_server_info(live):
+def test_models_health_and_server_info(live, model_dir):
     with live.http() as c:
-        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny"]
+        models = c.get("/v1/models")
+        assert [m["id"] for m in models.json()["data"]] == ["tiny"]
         assert c.get("/v1/models/tiny").json()["max_model_len"] == 512
         assert c.get("/health").status_code == 200
         assert c.get("/health_generate").status_code == 200
-        info = c.get("/get_server_info").json()
-    assert info["served_model_name"] == "tiny" and info["context_length"] == 512
-    assert info["max_total_num_tokens"] == 8192
-    assert "avg_spec_accept_length" in info
+        info = c.get("/get_server_info")
+    assert info.json()["served_model_name"] == "tiny" and info.json()["context_length"] == 512
+    assert info.json()["max_total_num_tokens"] == 8192 and info.json()["model_path"] == "tiny"
+    assert "avg_spec_accept_length" in info.json()
+    for r in (models, info):        # where the files are is nobody's business but the server's
+        assert str(model_dir) not in r.text and "/tmp" not in r.text
 
 
 def test_metrics_parse_and_count(live):
@@ -245,23 +297,27 @@ def _idle(m) -> bool:
     return m["spec_num_running_reqs"] == 0 and m["spec_kv_cache_used_tokens"] == 0
 
 
-def test_stream_disconnect_aborts_and_frees_kv(live):
+def test_stream_disconnect_aborts_and_frees_kv(live, monkeypatch):
     aborted = live.metrics().get('spec_requests_total{finish_reason="abort"}', 0)
     body = {"prompt": "one two", "max_tokens": 480, "temperature": 0, "stream": True, **IGNORE_EOS}
-    with live.http() as c, c.stream("POST", "/v1/completions", json=body) as r:
-        events = sse(r)
-        next(events)
-        assert live.metrics()["spec_kv_cache_used_tokens"] > 0          # the request holds KV now
+    with Hold(live, monkeypatch) as hold:
+        with live.http() as c, c.stream("POST", "/v1/completions", json=body) as r:
+            next(sse(r))
+            assert live.metrics()["spec_kv_cache_used_tokens"] > 0          # the request holds KV now
+        wait_for(hold.aborted, "the server to abort the disconnected stream")
     m = live.wait_metrics(lambda m: _idle(m) and m.get('spec_requests_total{finish_reason="abort"}', 0) > aborted)
     assert m['spec_requests_total{finish_reason="abort"}'] == aborted + 1 and _idle(m)
 
 
-def test_non_stream_disconnect_aborts(live):
+def test_non_stream_disconnect_aborts(live, monkeypatch):
     aborted = live.metrics().get('spec_requests_total{finish_reason="abort"}', 0)
-    # 8 x 500 tokens take seconds; the client gives up after half a second and closes the connection.
-    with live.http(timeout=httpx.Timeout(10, read=0.5)) as c, pytest.raises(httpx.ReadTimeout):
-        c.post("/v1/completions", json={"prompt": "one two", "max_tokens": 500, "n": 8, "temperature": 0,
-                                        **IGNORE_EOS})
+    body = json.dumps({"prompt": "one two", "max_tokens": 500, "n": 8, "temperature": 0, **IGNORE_EOS}).encode()
+    with Hold(live, monkeypatch) as hold:
+        with socket.create_connection(("127.0.0.1", int(live.url.rsplit(":", 1)[1]))) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (KEY.encode(), len(body), body))
+            wait_for(hold.started, "the requests to start generating")
+        wait_for(hold.aborted, "the server to abort the disconnected requests")
     m = live.wait_metrics(lambda m: _idle(m) and m.get('spec_requests_total{finish_reason="abort"}', 0) > aborted)
     assert m['spec_requests_total{finish_reason="abort"}'] == aborted + 8 and _idle(m)
 
@@ -302,14 +358,54 @@ BAD = [
     ("/generate", {"text": "hi", "sampling_params": {"nucleus": 0.5}}, 400, None),
     ("/generate", {"input_ids": [-1]}, 400, None),
     ("/v1/nothing-here", {}, 404, None),
+    # Issue 18's cases: strict types, bounded numbers, text that no tokenizer takes.
+    ("/v1/chat/completions", {**CHAT, "top_k": 1e30}, 400, "top_k"),
+    ("/v1/chat/completions", {**CHAT, "top_k": 2 ** 63}, 400, "top_k"),
+    ("/v1/chat/completions", {**CHAT, "top_k": 2 ** 31}, 400, "top_k"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "a\ud800b"}]}, 400,
+     "messages.0.content"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+     400, "messages.0.content.0.text"),
+    ("/v1/chat/completions", {**CHAT, "stop": "\ud800"}, 400, "stop"),
+    ("/v1/chat/completions", {**CHAT, "stop": ["ok", "x\udc00"]}, 400, "stop.1"),
+    ("/v1/chat/completions", {**CHAT, "stop": [str(i) for i in range(17)]}, 400, "stop"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 5.0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "n": "2"}, 400, "n"),
+    ("/v1/chat/completions", {**CHAT, "n": True}, 400, "n"),
+    ("/v1/chat/completions", {**CHAT, "stream": "yes"}, 400, "stream"),
+    ("/v1/chat/completions", {**CHAT, "temperature": "0.5"}, 400, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "temperature": float("nan")}, 400, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "seed": 2 ** 64}, 400, "seed"),
+    ("/v1/completions", {"prompt": "a\x00b"}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", "\ud800"]}, 400, "prompt.1"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "echo": "yes"}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "max_tokens": 2, "stream_options": {"include_usage": 1}}, 400,
+     "stream_options.include_usage"),
+    ("/generate", {"text": "hi", "sampling_params": {"skip_special_tokens": "yes"}}, 400, "skip_special_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"skip_special_tokens": None}}, 400, "skip_special_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"ignore_eos": 1}}, 400, "ignore_eos"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_k": 2 ** 63}}, 400, "top_k"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_k": 1e30}}, 400, "top_k"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": "5"}}, 400, "max_new_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"n": "2"}}, 400, "n"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop": "\ud800"}}, 400, "stop"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [2 ** 63]}}, 400, "stop_token_ids"),
+    ("/generate", {"text": "\ud800"}, 400, "text"),
+    ("/generate", {"text": "hi", "stream": "yes"}, 400, "stream"),
+    ("/generate", {"input_ids": [1.0, 2]}, 400, "input_ids.0"),
+    ("/v1/completions", b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", 400, None),
+    ("/v1/completions", b'{"prompt": "\xff"}', 400, None),
 ]
 
 
 @pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{i}:{b[0]}" for i, b in enumerate(BAD)])
 def test_bad_input_gets_4xx_with_openai_error(live, path, body, status, param):
+    # json.dumps escapes lone surrogates ("\\ud800") as JSON allows; httpx's own encoder would refuse them.
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
     with live.http() as c:
-        r = c.post(path, content=body, headers={"content-type": "application/json"}) if isinstance(body, bytes) \
-            else c.post(path, json=body)
+        r = c.post(path, content=content, headers={"content-type": "application/json"})
         assert r.status_code == status, r.text
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -329,12 +425,29 @@ def test_api_key_required(live):
         openai.OpenAI(base_url=f"{live.url}/v1", api_key="wrong", max_retries=0).models.list()
 
 
-def test_full_queue_answers_503_with_retry_after(model_dir):
+def test_requests_never_read_files(live, monkeypatch, tmp_path):
+    """No request field makes the server open a file, whatever path a client puts where."""
+    secret, opened = str(tmp_path / "secret.txt"), []
+    real_open, real_os_open = open, os.open
+    monkeypatch.setattr("builtins.open", lambda f, *a, **kw: (opened.append(str(f)), real_open(f, *a, **kw))[1])
+    monkeypatch.setattr(os, "open", lambda f, *a, **kw: (opened.append(str(f)), real_os_open(f, *a, **kw))[1])
+    message = {"role": "user", "content": secret, "name": "x"}
+    with live.http() as c:
+        c.get(f"/v1/models/{secret}")
+        for body in ({"model": secret, "prompt": secret, "max_tokens": 2},
+                     {"prompt": secret, "stop": [secret[:256]], "user": secret, "max_tokens": 2}):
+            c.post("/v1/completions", json=body)
+        c.post("/v1/chat/completions", json={"messages": [message], "max_tokens": 2, "model": secret})
+        assert c.post("/generate", json={"text": secret, "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+    assert not [f for f in opened if "secret" in f]
+
+
+def test_full_queue_answers_503_with_retry_after(model_dir, monkeypatch):
     long = {"prompt": "one", "max_tokens": 480, "temperature": 0, "stream": True, **IGNORE_EOS}
-    with serve(_args(model_dir, max_running_requests=1, max_queued_requests=2)) as small, small.http() as c, \
-            contextlib.ExitStack() as streams:
+    with serve(_args(model_dir, max_running_requests=1, max_queued_requests=2)) as small, \
+            Hold(small, monkeypatch), small.http() as c, contextlib.ExitStack() as streams:
         first = sse(streams.enter_context(c.stream("POST", "/v1/completions", json=long)))
-        next(first)                                     # it runs: no longer queued
+        next(first)                                     # it runs (and is held there): no longer queued
         for _ in range(2):        # one runs at a time: these two wait behind it and fill the queue
             streams.enter_context(c.stream("POST", "/v1/completions", json=long))
         assert small.metrics()["spec_num_queue_reqs"] == 2
@@ -358,26 +471,177 @@ def test_engine_failure_fails_requests_not_the_server(small, monkeypatch):
         assert r.status_code == 500 and "internal error" in r.json()["error"]["message"]
         assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}).status_code == 200
         assert c.get("/health").status_code == 200
+        # /generate too answers a failure with its status, not 200 with finish_reason abort.
+        failures = iter([RuntimeError("injected bug")] * 2)
+        r = c.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4}})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+        with c.stream("POST", "/generate", json={"text": "hi", "stream": True}) as r:
+            events = list(sse(r))
+        assert r.status_code == 200 and json.loads(events[-2])["error"]["code"] == "internal_error"
+        assert events[-1] == "[DONE]"
     assert _idle(small.metrics())
 
 
+def test_nul_is_refused_in_prompts_only(live):
+    """A NUL in a prompt is a client bug; in a stop string it is what a model may generate."""
+    with live.http() as c:
+        assert c.post("/v1/completions", json={"prompt": "a\x00b", "max_tokens": 2}).status_code == 400
+        assert c.post("/v1/completions", json={"prompt": "ab", "stop": ["\x00"], "max_tokens": 2}).status_code == 200
+        r = c.post("/generate", json={"text": "ab", "sampling_params": {"stop": "x\x00", "max_new_tokens": 2}})
+        assert r.status_code == 200
+
+
+def test_bad_inputs_leave_a_running_stream_untouched(live, offline):
+    """Issue 18: one bad request cost everyone's; the bad inputs now stop at the edge."""
+    body = {"prompt": "one two", "max_tokens": 64, "temperature": 0, "stream": True, **IGNORE_EOS}
+    expected = offline.generate("one two", {"max_new_tokens": 64, "temperature": 0, **IGNORE_EOS})["text"]
+    with live.http() as c, c.stream("POST", "/v1/completions", json=body) as r:
+        events = sse(r)
+        text = json.loads(next(events))["choices"][0]["text"]
+        for path, bad, status, _ in BAD:
+            content = bad if isinstance(bad, bytes) else json.dumps(bad).encode()
+            assert c.post(path, content=content, headers={"content-type": "application/json"}).status_code == status
+        text += "".join(json.loads(e)["choices"][0]["text"] for e in events if e != "[DONE]")
+    assert text == expected
+
+
+def test_health_reports_a_stuck_or_dead_engine(model_dir, monkeypatch):
+    with serve(_args(model_dir)) as s, s.http() as c:
+        step, gate = s.engine.step, threading.Event()
+        monkeypatch.setattr(s.engine, "step", lambda: (gate.wait(120), step())[1])
+        monkeypatch.setattr(s.serving.loop, "stall_s", 0.2)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(c.post, "/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+            wait_until(lambda: c.get("/health").status_code == 503, "/health to report the stuck engine")
+            gate.set()
+            assert pending.result().status_code == 200
+        wait_until(lambda: c.get("/health").status_code == 200, "/health to recover")
+
+        class Fatal(BaseException):
+            pass
+
+        def dies():
+            raise Fatal("the engine thread dies")
+
+        monkeypatch.setattr(s.engine, "step", dies)
+        monkeypatch.setattr(threading, "excepthook", lambda args: None)     # expected: keep the output clean
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"     # answered, not hung
+        wait_until(lambda: c.get("/health").status_code == 503, "/health to report the dead engine thread")
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 503 and "engine has stopped" in r.json()["error"]["message"]
+
+
+def test_tokenizing_leaves_the_event_loop_free(small, monkeypatch):
+    tokenizer = small.serving.tokenizer.hf
+    encode, entered, gate = tokenizer.encode, threading.Event(), threading.Event()
+
+    def slow_encode(*a, **kw):
+        entered.set()
+        gate.wait(120)
+        return encode(*a, **kw)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    with small.http() as c, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(c.post, "/v1/completions", json={"prompt": "one two", "max_tokens": 2})
+        wait_for(entered, "the tokenizer to start")
+        # While the tokenizer works, the server answers: health checks and requests that need no tokenizing.
+        assert c.get("/health").status_code == 200
+        assert c.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}).status_code == 200
+        gate.set()
+        assert pending.result().status_code == 200
+
+
+def test_prompt_surely_past_the_context_is_refused_untokenized(small, monkeypatch):
+    def never(*a, **kw):
+        raise AssertionError("tokenized a prompt whose length alone rules it out")
+
+    monkeypatch.setattr(small.serving.tokenizer.hf, "encode", never)
+    bound = 64 * small.serving.tokenizer.max_token_bytes           # context 64 x the longest token
+    with small.http() as c:
+        r = c.post("/v1/completions", json={"prompt": "x" * (bound + 1)})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_length_bound_holds_for_the_longest_tokens(small):
+    """No text tokenizes to fewer than len(text) / max_token_bytes tokens: the cheap check never refuses
+    a prompt that fits. Worst cases repeat the longest tokens, alone and glued together."""
+    tok = small.serving.tokenizer
+    longest = sorted(tok.hf.get_vocab(), key=lambda t: -len(t.encode()))[:20]
+    texts = [tok.hf.convert_tokens_to_string([t]) for t in longest]
+    for text in texts + ["".join(texts), " ".join(texts), "\u65e5\u672c" * 50, " " * 300]:
+        assert len(tok.hf.encode(text)) * tok.max_token_bytes >= len(text), text
+
+
+def test_request_body_limit(small):
+    too_big = json.dumps({"prompt": "x" * (2 ** 20)}).encode()
+    with small.http() as c:
+        r = c.post("/v1/completions", content=too_big, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "--max-request-body-mb" in r.json()["error"]["message"]
+        # Without Content-Length (chunked), the limit holds as the chunks arrive.
+        r = c.post("/v1/completions", content=iter([too_big[i:i + 65536] for i in range(0, len(too_big), 65536)]),
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        r = c.post("/v1/completions", json={"prompt": "x" * (2 ** 19)})       # under the limit: read, judged
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_half_sent_requests_are_dropped(small, monkeypatch):
+    monkeypatch.setattr(ReadDeadlineProtocol, "read_timeout_s", 0.5)
+    port = int(small.url.rsplit(":", 1)[1])
+    for partial in (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty",       # half a head
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro"):  # half a body
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            sock.sendall(partial)
+            assert sock.recv(65536) == b"", "the server should close the connection"     # not a 60 s timeout
+    with small.http() as c:
+        assert c.get("/health").status_code == 200
+
+
+def test_api_key_guards_every_route_but_health(live, monkeypatch):
+    compared = []
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: compared.append((a, b)) or a == b)
+    app = live.server.config.app
+    routes = [(m.upper(), path.replace("{model}", "tiny")) for path, ops in app.openapi()["paths"].items() for m in ops]
+    routes += [(m, r.path) for r in app.routes for m in getattr(r, "methods", ()) if m != "HEAD"]   # docs, schema
+    assert {"/generate", "/metrics", "/get_server_info", "/docs", "/openapi.json"} <= {p for _, p in routes}
+    with httpx.Client(base_url=live.url) as c:
+        for method, path in routes:
+            r = c.request(method, path, headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == (200 if path == "/health" else 401), (method, path)
+    assert (b"wrong", KEY.encode()) in compared       # keys are compared in constant time
+
+
+def test_openapi_lists_the_statuses_sent(small):
+    with small.http() as c:
+        paths = c.get("/openapi.json").json()["paths"]
+    statuses = {(path, method): set(op["responses"]) for path, ops in paths.items() for method, op in ops.items()}
+    assert not any("422" in codes for codes in statuses.values())      # invalid requests get 400 here
+    for route in ("/v1/chat/completions", "/v1/completions", "/generate"):
+        assert {"200", "400", "413", "500", "503"} <= statuses[(route, "post")]
+
+
 def test_schemathesis_finds_no_5xx(small):
+    """Fuzzes every route of the schema, valid and invalid requests: no 5xx, and every status, content
+    type and error body as openapi.json declares them."""
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, given, settings, strategies as st
+    from schemathesis.checks import (content_type_conformance, not_a_server_error, response_schema_conformance,
+                                     status_code_conformance)
 
     schema = schemathesis.openapi.from_url(f"{small.url}/openapi.json")
     modes = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
     session = pytest.importorskip("requests").Session()
     deadline = time.monotonic() + 20
 
-    @settings(max_examples=150, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=300, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(case=st.one_of(*(schema.as_strategy(generation_mode=m) for m in modes)))
     def check(case):
         if time.monotonic() > deadline:
             return
-        response = case.call(session=session, timeout=30)
-        assert response.status_code < 500, f"{case.method} {case.path} {case.body!r}: {response.text}"
+        case.call_and_validate(session=session, timeout=30, checks=checks)
 
     check()
     with small.http() as c:
@@ -404,7 +668,9 @@ def test_ngram_metrics_report_accept_length(model_dir):
 
 
 # ---------------------------------------------------------------------------------------- process lifecycle
-def test_sigterm_finishes_in_flight_and_exits_zero(model_dir):
+@contextlib.contextmanager
+def spawned(model_dir):
+    """`run_server` in a child process; yields (process, its URL) once it prints its ready line."""
     port = _free_port()
     code = ("from engine import ServerArgs; from engine.server import run_server; "
             f"run_server(ServerArgs(model_path={str(model_dir)!r}, dtype='float32', max_total_tokens=4096, "
@@ -415,9 +681,24 @@ def test_sigterm_finishes_in_flight_and_exits_zero(model_dir):
         ready = proc.stdout.readline()
         assert ready.startswith(f"spec serve: ready at http://127.0.0.1:{port}") and "speculative: off" in ready, \
             ready + proc.stderr.read()
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _accepts(url: str) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10).close()
+        return True
+    except ConnectionRefusedError:
+        return False
+
+
+def test_sigterm_finishes_in_flight_and_exits_zero(model_dir):
+    with spawned(model_dir) as (proc, url):
         body = {"prompt": "one two", "max_tokens": 200, "temperature": 0, "stream": True, **IGNORE_EOS}
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c, \
-                c.stream("POST", "/v1/completions", json=body) as r:
+        with httpx.Client(base_url=url, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
             events = sse(r)
             next(events)
             proc.send_signal(signal.SIGTERM)
@@ -425,6 +706,36 @@ def test_sigterm_finishes_in_flight_and_exits_zero(model_dir):
         assert rest[-1] == "[DONE]"
         assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"     # finished, not cut off
         assert proc.wait(60) == 0
-    finally:
-        proc.kill()
-        proc.wait()
+
+
+def test_double_ctrl_c_answers_streams_and_exits_cleanly(model_dir):
+    with spawned(model_dir) as (proc, url):
+        body = {"prompt": "one two", "max_tokens": 500, "n": 16, "temperature": 0, "stream": True, **IGNORE_EOS}
+        with httpx.Client(base_url=url, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            events = sse(r)
+            next(events)
+            proc.send_signal(signal.SIGINT)     # the stream goes on; new connections are refused
+            wait_until(lambda: not _accepts(url), "the server to stop accepting connections")
+            proc.send_signal(signal.SIGINT)     # the second ends it now, with an error event
+            rest = list(events)
+        assert rest[-1] == "[DONE]" and "shutting down" in json.loads(rest[-2])["error"]["message"]
+        assert proc.wait(60) == 0          # not SIGABRT from torch's threads outliving the interpreter
+        assert "Traceback" not in proc.stderr.read()
+
+
+def test_shutdown_answers_streams_past_the_grace_period(model_dir, monkeypatch):
+    with serve(_args(model_dir)) as s, Hold(s, monkeypatch) as hold, s.http() as c:
+        stopping, request_stop = threading.Event(), s.serving.loop.request_stop
+        monkeypatch.setattr(s.serving.loop, "request_stop", lambda: (request_stop(), stopping.set()))
+        s.server.grace_s = 0.0
+        body = {"prompt": "one two", "max_tokens": 480, "temperature": 0, "stream": True, **IGNORE_EOS}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            events = sse(r)
+            next(events)                    # it runs, held mid-generation
+            s.server.should_exit = True
+            wait_for(stopping, "the grace period to end")
+            hold.released.set()
+            rest = list(events)
+    assert rest[-1] == "[DONE]"
+    err = json.loads(rest[-2])["error"]
+    assert err["code"] == "aborted" and "shutting down" in err["message"]

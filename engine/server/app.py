@@ -5,24 +5,30 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.config import ServerArgs
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from engine.server import openai_api
-from engine.server.errors import APIError, error_response, install_error_handlers
+from engine.server.errors import APIError, error_response, error_responses, install_error_handlers
+from engine.server.limits import BodyLimit
 from engine.server.protocol import GenerateRequest
-from engine.server.serving import Serving
+from engine.server.serving import Serving, engine_abort, error_event
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+# At shutdown, what still runs has been aborted: the engine thread ends after its current step.
+ENGINE_STOP_S = 5.0
 # Liveness probes work without the API key.
 OPEN_PATHS = ("/health",)
+# Flags that hold filesystem paths: /get_server_info reports their last component, never where the files are.
+PATH_FLAGS = ("tokenizer_path", "speculative_draft_model_path", "speculative_token_map")
 
 
 def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
@@ -32,17 +38,41 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     async def lifespan(_: FastAPI):
         serving.loop.start()
         yield
-        await asyncio.to_thread(serving.loop.stop)
+        await asyncio.to_thread(serving.loop.stop, ENGINE_STOP_S)
+        serving.tokenizer.close()
 
     app = FastAPI(title="spec", summary="OpenAI-compatible and SGLang-compatible LLM server with speculative decoding",
                   lifespan=lifespan)
     app.state.serving = serving
     install_error_handlers(app)
-    if serving.api_key:
+    app.add_middleware(BodyLimit, max_mb=args.max_request_body_mb)
+    if serving.api_key:     # added last, so it runs first: no body is read for a client without the key
         app.add_middleware(APIKeyMiddleware, key=serving.api_key)
     app.include_router(openai_api.router)
     app.include_router(_router(serving))
+    app.openapi = lambda: app.openapi_schema or _openapi(app, bool(serving.api_key))
     return app
+
+
+def _openapi(app: FastAPI, with_key: bool) -> dict:
+    """FastAPI's schema with the statuses this server sends: FastAPI lists 422 for invalid requests,
+    which get 400 here; every route may answer 413 and 500, and 401 without the key."""
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+    common = error_responses(413, 500) | (error_responses(401) if with_key else {})
+    for path, operations in schema["paths"].items():
+        for op in operations.values():
+            responses = op["responses"]
+            responses.pop("422", None)
+            for status, spec in common.items():
+                if path not in OPEN_PATHS or status != 401:
+                    responses.setdefault(str(status), {"description": spec["description"], "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        schema["components"]["schemas"].pop(unused, None)
+    app.openapi_schema = schema
+    return schema
 
 
 def _router(serving: Serving) -> APIRouter:
@@ -50,30 +80,36 @@ def _router(serving: Serving) -> APIRouter:
     engine = serving.engine
     created = int(time.time())
     static_info = engine.get_server_info()
+    static_info |= {"model_path": serving.model_name} | {
+        k: os.path.basename(str(static_info[k]).rstrip("/")) for k in PATH_FLAGS if static_info.get(k)}
 
     def model_card() -> dict:
         return {"id": serving.model_name, "object": "model", "created": created, "owned_by": "spec",
-                "root": str(engine.model_dir), "max_model_len": serving.context_len}
+                "root": serving.model_name, "max_model_len": serving.context_len}
 
     @router.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [model_card()]}
 
-    @router.get("/v1/models/{model:path}")
+    @router.get("/v1/models/{model:path}", responses=error_responses(404))
     async def retrieve_model(model: str):
         serving.check_model(model)
         return model_card()
 
-    @router.get("/health")
-    async def health():
-        return Response(status_code=200 if serving.loop.alive else 503)
+    stalled = f"The engine loop has stopped, or has held requests for {serving.loop.stall_s:g} s without progress"
 
-    @router.get("/health_generate")
+    @router.get("/health", response_class=Response, responses={503: {"description": stalled}})
+    async def health():
+        """200 while the engine loop runs and makes progress on the requests it holds."""
+        return Response(status_code=200 if serving.loop.healthy else 503)
+
+    @router.get("/health_generate", response_class=Response,
+                responses={503: {"description": f"No token within {HEALTH_GENERATE_TIMEOUT_S:g} s"}})
     async def health_generate():
         """One greedy token through the whole engine: proves the model loop is making progress."""
-        if not serving.loop.alive:
+        if not serving.loop.healthy:
             return Response(status_code=503)
-        bos = serving.tokenizer.bos_token_id
+        bos = serving.tokenizer.hf.bos_token_id
         req = engine.make_request([bos if bos is not None else 0], SamplingParams(max_new_tokens=1, temperature=0.0))
         sub = serving.loop.submit([req])
         try:
@@ -83,7 +119,7 @@ def _router(serving: Serving) -> APIRouter:
             return Response(status_code=503)
         return Response(status_code=200 if outs[0]["output_ids"] else 503)
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -93,7 +129,7 @@ def _router(serving: Serving) -> APIRouter:
         info.setdefault("avg_spec_accept_length", None)
         return info
 
-    @router.post("/generate")
+    @router.post("/generate", responses=openai_api.STREAMED | error_responses(400, 503))
     async def generate(body: GenerateRequest, http: HTTPRequest):
         """SGLang's native API: cumulative `text`, `output_ids` and `meta_info` per prompt (and per n)."""
         serving.check_body(body)
@@ -102,10 +138,12 @@ def _router(serving: Serving) -> APIRouter:
         single_text = isinstance(body.text, str)
         single_ids = body.input_ids is not None and (not body.input_ids or isinstance(body.input_ids[0], int))
         if body.text is not None:
-            prompts = [serving.encode(t) for t in ([body.text] if single_text else body.text)]
+            texts = [body.text] if single_text else body.text
+            serving.check_count(len(texts), "text")
+            prompts = await serving.tokenizer.encode(texts)
         else:
             prompts = [list(body.input_ids)] if single_ids else [list(x) for x in body.input_ids]
-        reqs = serving.make_requests(prompts, body.sampling_params or {}, max_tokens_param="max_new_tokens",
+        reqs = serving.make_requests(prompts, body.sampling_params or {},
                                      default_max_tokens=SamplingParams.max_new_tokens)
         single = (single_text or single_ids) and len(reqs) == 1
         sub = serving.submit(reqs)
@@ -114,6 +152,10 @@ def _router(serving: Serving) -> APIRouter:
         outs = await serving.wait(sub, http)
         if outs is None:
             return Response(status_code=499)
+        for out in outs:
+            err = engine_abort(out)
+            if err is not None:
+                raise err
         return JSONResponse(outs[0] if single else [{**o, "index": i} for i, o in enumerate(outs)])
 
     return router
@@ -122,6 +164,10 @@ def _router(serving: Serving) -> APIRouter:
 async def _generate_events(sub, single: bool):
     async for ready in sub.updates():
         for i in ready:
+            err = engine_abort(sub.latest[i])
+            if err is not None:
+                yield error_event(err)
+                return
             yield sub.latest[i] if single else {**sub.latest[i], "index": i}
 
 

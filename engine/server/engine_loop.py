@@ -21,8 +21,13 @@ from engine.request import Request
 
 log = logging.getLogger(__name__)
 
-# The abort message of requests failed by a bug in the engine (answered 500, other aborts 503).
+# The abort messages of requests failed by a bug in the engine (answered 500) and of those still
+# running when shutdown's grace period ran out (503, as other aborts).
 INTERNAL_ERROR = "internal error while generating; see the server log"
+SHUTTING_DOWN = "the server is shutting down"
+# /health answers 503 once the loop has held requests this long without making progress (no step
+# changed anything): a real step, even a long prefill chunk on CPU, takes far less.
+STALL_S = 60.0
 
 
 def finish_type(out: Optional[dict]) -> Optional[str]:
@@ -79,8 +84,10 @@ class EngineLoop:
         self.queued = 0                    # accepted requests without output yet (event loop side)
         self.snapshot = self._snapshot()   # replaced by the loop thread after every step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._subs: dict[str, tuple[Submission, int]] = {}     # loop thread only
+        self._subs: dict[str, tuple[Submission, int]] = {}     # written by the loop thread only
         self._stopping = False
+        self.stall_s = STALL_S
+        self._progress_at = time.monotonic()     # the last step that changed anything (loop thread)
         self._event_loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread = threading.Thread(target=self._run, name="spec-engine-loop", daemon=True)
 
@@ -93,6 +100,15 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @property
+    def healthy(self) -> bool:
+        """Alive, and making progress whenever it holds requests."""
+        return self.alive and (not self._subs or time.monotonic() - self._progress_at < self.stall_s)
+
     def submit(self, reqs: Sequence[Request]) -> Submission:
         sub = Submission(reqs)
         self.queued += len(reqs)
@@ -103,10 +119,15 @@ class EngineLoop:
         if rids:
             self._inbox.put(("abort", list(rids), None))
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Abort whatever is still queued or running, free its KV and end the thread (blocking)."""
+    def request_stop(self) -> None:
+        """Abort whatever is still queued or running (each answered SHUTTING_DOWN), then end the thread."""
         self._inbox.put(("stop", None, None))
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        """request_stop, and wait for the thread to end (blocking); False if it has not ended in time."""
+        self.request_stop()
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _on_event_loop(self, batch: list[tuple[Submission, int, dict]], at: float) -> None:
         for sub, index, out in batch:
@@ -119,15 +140,21 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ loop thread
     def _run(self) -> None:
-        while not (self._stopping and not self._subs):
-            try:
-                self._take_commands()
-                touched = self.engine.step()        # also flushes requests aborted or refused meanwhile
-                self.snapshot = self._snapshot()    # first: whoever sees an output sees figures as fresh
-                self._deliver(touched)
-            except Exception:                       # a bug: fail what is in flight, keep serving
-                log.exception("the engine loop failed; aborting the requests in flight")
-                self._fail_in_flight()
+        try:
+            while not (self._stopping and not self._subs):
+                try:
+                    self._take_commands()
+                    touched = self.engine.step()        # also flushes requests aborted or refused meanwhile
+                    snapshot = self._snapshot()
+                    if touched or snapshot != self.snapshot:
+                        self._progress_at = time.monotonic()
+                    self.snapshot = snapshot            # first: whoever sees an output sees figures as fresh
+                    self._deliver(touched)
+                except Exception:                       # a bug: fail what is in flight, keep serving
+                    log.exception("the engine loop failed; aborting the requests in flight")
+                    self._fail_in_flight(INTERNAL_ERROR)
+        finally:    # whatever ends the thread (stop, a BaseException), no request may wait for it forever
+            self._fail_in_flight(SHUTTING_DOWN if self._stopping else INTERNAL_ERROR, also_queued=True)
 
     def _take_commands(self) -> None:
         """Apply every queued command; when the engine has nothing to do, sleep until one arrives."""
@@ -139,6 +166,8 @@ class EngineLoop:
                 return
             block = False
             if kind == "add":
+                if not self._subs:                  # an idle engine's progress clock starts now
+                    self._progress_at = time.monotonic()
                 for index, req in enumerate(payload):
                     self._subs[req.rid] = (sub, index)
                     self.engine.add_request(req)
@@ -162,6 +191,8 @@ class EngineLoop:
                 del self._subs[req.rid]
             out = self.engine.output_dict(req)
             out["meta_info"].setdefault("spec_verify_ct", req.spec_verify_ct)
+            if self._stopping and finish_type(out) == "abort":
+                out["meta_info"]["finish_reason"]["message"] = SHUTTING_DOWN
             batch.append((*target, out))
         self._send(batch)
 
@@ -173,10 +204,18 @@ class EngineLoop:
         except RuntimeError:        # the event loop has closed: nobody is listening any more
             pass
 
-    def _fail_in_flight(self) -> None:
+    def _fail_in_flight(self, message: str, also_queued: bool = False) -> None:
+        """Abort every request held (and, with also_queued, every one still in the inbox) with `message`,
+        and reset the engine."""
+        while also_queued and not self._inbox.empty():
+            kind, payload, sub = self._inbox.get()
+            if kind == "add":
+                self._subs.update((req.rid, (sub, index)) for index, req in enumerate(payload))
+        if not self._subs:
+            return
         batch = []
         for rid, (sub, index) in self._subs.items():
-            reason = {"type": "abort", "message": INTERNAL_ERROR}
+            reason = {"type": "abort", "message": message}
             batch.append((sub, index, {"text": "", "output_ids": [], "meta_info": {
                 "id": rid, "prompt_tokens": 0, "completion_tokens": 0, "spec_verify_ct": 0, "cached_tokens": 0,
                 "finish_reason": reason, "e2e_latency": 0.0, "ttft": None}}))

@@ -6,20 +6,48 @@ logged and answered without taking the server down.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from engine.errors import RequestError
 
 log = logging.getLogger(__name__)
 
+_FIELD = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_TAGS = {"str", "int", "float", "bool"}
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 503: "server_overloaded"}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+_WHEN = {400: "Invalid request: the message says what to change", 401: "Missing or wrong API key",
+         404: "Unknown model", 413: "Request body larger than --max-request-body-mb",
+         500: "A bug in the server (see its log)",
+         503: "Queue full, shutting down, or the request cannot be served (Retry-After)"}
+
+
+def error_responses(*statuses: int) -> dict:
+    """OpenAPI `responses` for these error statuses, each with the error body."""
+    return {s: {"model": ErrorResponse, "description": _WHEN[s]} for s in statuses}
 
 
 class APIError(Exception):
@@ -36,25 +64,36 @@ def error_body(status: int, message: str, param: Optional[str] = None, code: Opt
 
 
 def error_response(status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-                   headers: Optional[dict] = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+                   headers: Optional[dict] = None) -> Response:
+    # ASCII-escaped JSON: a message quoting the client's text renders whatever that text holds.
+    return Response(json.dumps(error_body(status, message, param, code)), status_code=status, headers=headers,
+                    media_type="application/json")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str], str]:
-    """The first pydantic error as (message, param, code), phrased for an API user."""
-    err = exc.errors()[0]
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    """The most telling pydantic error as (message, param, code), phrased for an API user."""
+    errors = exc.errors()
+    # Our own checks (text encodability) say more than a union's "Input should be a valid list".
+    err = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    # A union member's tag ("list[int]", "function-after[...]") is no parameter name: leave it out.
+    loc = [str(x) for x in err.get("loc", ()) if isinstance(x, int) or (x != "body" and _FIELD.fullmatch(x)
+                                                                       and x not in _TYPE_TAGS)]
     param = ".".join(loc) or None
     kind = err.get("type", "")
     if kind == "json_invalid":
-        return f"The request body is not valid JSON: {err.get('msg')}.", None, "invalid_json"
+        detail = (err.get("ctx") or {}).get("error") or err.get("msg")
+        return f"The request body is not valid JSON: {detail}.", None, "invalid_json"
+    if param is None and kind == "model_attributes_type":   # FastAPI leaves a non-JSON body as bytes
+        return "The request body must be a JSON object, sent with 'Content-Type: application/json'.", None, \
+            "invalid_json"
     if kind == "extra_forbidden":
         return f"Unsupported parameter: {param!r}.", param, "unsupported_parameter"
     if kind == "missing":
         return f"Missing required parameter: {param!r}." if param else "The request body is missing.", param, \
             "missing_parameter"
     where = f"{param}: " if param else "request body: "
-    return f"Invalid value for {where}{err.get('msg')}.", param, "invalid_value"
+    msg = str(err.get("msg", "")).removeprefix("Value error, ")
+    return f"Invalid value for {where}{msg}.", param, "invalid_value"
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -64,7 +103,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError):
-        return error_response(400, str(exc), code="invalid_value")
+        return error_response(400, str(exc), param=exc.param, code="invalid_value")
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
@@ -73,9 +112,37 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException):
-        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        message = str(exc.detail)
+        if exc.__cause__ is not None:   # FastAPI's "error parsing the body": say what the parser found
+            # (minus Python's advice on raising its integer-digits limit, which is no use to a client)
+            message = f"The request body could not be read as JSON: {str(exc.__cause__).split(';')[0]}."
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, exc: Exception):
-        log.exception("internal error serving %s %s", request.method, request.url.path)
-        return error_response(500, f"Internal server error ({type(exc).__name__}); see the server log.")
+    app.add_middleware(InternalErrors)
+
+
+class InternalErrors:
+    """A bug's exception becomes a logged 500 with an error body. (An exception handler for Exception
+    would answer too, but Starlette re-raises afterwards and uvicorn then closes the connection,
+    failing whatever request the client sends next on it.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            log.exception("internal error serving %s %s", scope["method"], scope["path"])
+            if not started:    # once a response has begun, its own code reports failures (streams: an error event)
+                await error_response(500, f"Internal server error ({type(exc).__name__}); see the server log.")(
+                    scope, receive, send)

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import os
+import sys
 
 import uvicorn
 
 from engine.config import ServerArgs
 from engine.engine import Engine
-from engine.server.app import create_app
+from engine.server.app import ENGINE_STOP_S, create_app
+from engine.server.limits import ReadDeadlineProtocol
 
 log = logging.getLogger(__name__)
 
-# In-flight requests get this long to finish after SIGTERM/Ctrl-C; then they are aborted.
-GRACEFUL_SHUTDOWN_S = 30
+# In-flight requests get this long to finish after SIGTERM/Ctrl-C; then they are aborted, and each is
+# answered (a stream's error event, a 503) within ANSWER_S more, before the connections close.
+GRACEFUL_SHUTDOWN_S = 30.0
+ANSWER_S = 5.0
 
 
 def run_server(args: ServerArgs) -> None:
@@ -22,14 +28,22 @@ def run_server(args: ServerArgs) -> None:
     _setup_logging(args.log_level)
     log.info("loading %s", args.model_path)
     engine = Engine(server_args=args)
-    make_server(engine, args).run()
+    server = make_server(engine, args)
+    server.run()
+    # A second Ctrl-C skips the app's own shutdown; the engine thread must still end before the
+    # interpreter does, or torch's threads abort the process (SIGABRT) on their way out.
+    if not server.config.app.state.serving.loop.stop(timeout=ENGINE_STOP_S):
+        log.error("the engine did not stop within %g s; exiting without it", ENGINE_STOP_S)
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def make_server(engine: Engine, args: ServerArgs) -> "Server":
     config = uvicorn.Config(create_app(engine, args), host=args.host, port=args.port, log_config=None,
                             # uvicorn's own startup lines give way to ours; its warnings and errors still show
                             log_level="debug" if args.log_level == "debug" else "warning",
-                            access_log=args.log_level == "debug", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                            access_log=args.log_level == "debug", http=ReadDeadlineProtocol,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + ANSWER_S)
     return Server(config, args)
 
 
@@ -37,6 +51,26 @@ class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, args: ServerArgs):
         super().__init__(config)
         self.args = args
+        self.grace_s = GRACEFUL_SHUTDOWN_S
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        if self.force_exit:         # a second Ctrl-C: answer what still runs now, not after the grace period
+            self.config.app.state.serving.loop.request_stop()
+
+    async def shutdown(self, sockets=None) -> None:
+        """uvicorn's graceful shutdown, except that requests still running when the grace period ends
+        are aborted and answered (a stream ends with an error event) instead of cut off mid-response."""
+        loop = self.config.app.state.serving.loop
+        timer = asyncio.get_running_loop().call_later(self.grace_s, loop.request_stop)
+        try:
+            await super().shutdown(sockets)
+            if self.force_exit:     # uvicorn stopped waiting and skips the app's shutdown: do both, briefly
+                if self.server_state.tasks:
+                    await asyncio.wait(self.server_state.tasks, timeout=ANSWER_S)
+                await self.lifespan.shutdown()
+        finally:
+            timer.cancel()
 
     @property
     def port(self) -> int:

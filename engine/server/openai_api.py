@@ -10,40 +10,51 @@ from fastapi import APIRouter, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from engine.server.engine_loop import Submission, finish_type
+from engine.server.errors import error_responses
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.serving import Serving, engine_abort, error_event
 
 router = APIRouter()
+# JSON, or server-sent events with "stream": true.
+STREAMED = {200: {"content": {"text/event-stream": {}}}}
 
 # Text completions default to 16 tokens, as OpenAI's do; chat runs to the end of the context.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+# OpenAI's names for SGLang's sampling parameters, for error messages.
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=STREAMED | error_responses(400, 404, 503))
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     serving: Serving = http.app.state.serving
     serving.check_body(body)
-    prompt = serving.chat_prompt(body.messages)
+    serving.check_count(body.n, "n")
+    prompt = await serving.chat_prompt(body.messages)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     reqs = serving.make_requests([prompt], body.sampling_params(body.max_completion_tokens or body.max_tokens),
-                                 default_max_tokens=serving.context_len, max_tokens_param=param)
+                                 default_max_tokens=serving.context_len,
+                                 names={**OPENAI_NAMES, "max_new_tokens": param})
     shape = _Shape("chatcmpl", "chat.completion", serving.model_name, [len(prompt)])
     return await _respond(serving, http, reqs, body.stream, body.include_usage, shape, [""] * len(reqs))
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=STREAMED | error_responses(400, 404, 503))
 async def completions(body: CompletionRequest, http: HTTPRequest):
     serving: Serving = http.app.state.serving
     serving.check_body(body)
     prompt = body.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
-    prompts = [serving.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    serving.check_count(len(prompt) * body.n, "n")
+    if prompt and isinstance(prompt[0], str):
+        prompts = await serving.tokenizer.encode(prompt)
+    else:
+        prompts = [list(p) for p in prompt]
     reqs = serving.make_requests(prompts, body.sampling_params(body.max_tokens),
-                                 default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS)
+                                 default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS, names=OPENAI_NAMES)
     echoes = [""] * len(reqs)
     if body.echo:
-        texts = [p if isinstance(p, str) else serving.tokenizer.decode(p) for p in prompt]
+        texts = prompt if isinstance(prompt[0], str) else await serving.tokenizer.decode(prompts)
         echoes = [texts[i // body.n] for i in range(len(reqs))]
     shape = _Shape("cmpl", "text_completion", serving.model_name, [len(p) for p in prompts])
     return await _respond(serving, http, reqs, body.stream, body.include_usage, shape, echoes)

@@ -3,17 +3,36 @@
 Unknown fields are refused (400 "Unsupported parameter") rather than silently ignored, so a client
 never believes a setting took effect when it did not. Fields OpenAI defines that this server does not
 implement are declared, so their neutral values (`logprobs: false`, `tools: []`, ...) still pass.
+Types are strict, as OpenAI's are: `"5"` is not an integer, `1` is not a boolean, `5.0` is not a
+token count. Ranges are checked once, by SamplingParams; text is checked here for what no tokenizer
+can take.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from engine.sampling_params import text_problem
+
+
+def _checked(allow_nul: bool):
+    def check(text: str) -> str:
+        problem = text_problem(text, allow_nul)
+        if problem:
+            raise ValueError(f"the text {problem}")
+        return text
+    return AfterValidator(check)
+
+
+# Text that reaches the tokenizer, and stop strings.
+Text = Annotated[str, _checked(allow_nul=False)]
+StopText = Annotated[str, _checked(allow_nul=True)]
 
 
 class APIBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     # field -> the values that mean "not used"; anything else is refused as unsupported.
     NEUTRAL: ClassVar[dict[str, tuple]] = {}
@@ -38,7 +57,7 @@ class _OpenAISampling(APIBody):
     top_p: Optional[float] = None
     n: int = 1
     seed: Optional[int] = None
-    stop: Union[str, list[str], None] = None
+    stop: Union[StopText, list[StopText], None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     presence_penalty: Optional[float] = None
@@ -71,15 +90,15 @@ class _OpenAISampling(APIBody):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")      # image/audio parts carry their own keys; refused by type
+    model_config = ConfigDict(extra="allow", strict=True)   # image/audio parts carry their own keys; refused by type
     type: str
-    text: Optional[str] = None
+    text: Optional[Text] = None
 
 
 class ChatMessage(APIBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[ContentPart], None] = None
-    name: Optional[str] = None
+    content: Union[Text, list[ContentPart], None] = None
+    name: Optional[Text] = None
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -98,7 +117,7 @@ class ChatCompletionRequest(_OpenAISampling):
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[Text, list[Text], list[int], list[list[int]]]
     echo: bool = False
     suffix: Optional[str] = None
     logprobs: Optional[int] = None
@@ -109,7 +128,7 @@ class CompletionRequest(_OpenAISampling):
 
 class GenerateRequest(APIBody):
     """SGLang's /generate: one prompt or a batch, as text or token ids."""
-    text: Union[str, list[str], None] = None
+    text: Union[Text, list[Text], None] = None
     input_ids: Union[list[int], list[list[int]], None] = None
     sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None   # a list: one per prompt
     stream: bool = False

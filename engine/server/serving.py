@@ -6,8 +6,8 @@ then wait for them or stream them, aborting whatever is left when the client goe
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
+import logging
 import os
 import uuid
 from typing import AsyncIterator, Optional, Sequence, Union
@@ -20,19 +20,21 @@ from engine.engine import Engine
 from engine.errors import RequestError
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.server.engine_loop import INTERNAL_ERROR, EngineLoop, Submission, finish_type
+from engine.server.engine_loop import INTERNAL_ERROR, SHUTTING_DOWN, EngineLoop, Submission, finish_type
 from engine.server.errors import APIError, error_body
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import APIBody, ChatMessage
+from engine.server.tokenize import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class Serving:
     def __init__(self, engine: Engine, args: ServerArgs):
         self.engine, self.args = engine, args
-        # The engine thread decodes with engine.tokenizer; a copy keeps the two threads off one Rust object.
-        self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.model_name = args.served_model_name or os.path.basename(str(args.model_path).rstrip("/"))
         self.context_len = engine.context_len
+        self.tokenizer = Tokenizer(engine.tokenizer, self.context_len)
         self.api_key = args.api_key or os.environ.get("SPEC_API_KEY") or None
         self.loop = EngineLoop(engine)
         tree = args.speculative_tree
@@ -54,12 +56,15 @@ class Serving:
             raise APIError(400, f"Parameter {name!r} is not supported by this server (got {getattr(body, name)!r}); "
                                 "leave it out.", param=name, code="unsupported_parameter")
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def check_count(self, generations: int, param: str) -> None:
+        """Before any tokenizing: a request asking for more generations than the queue holds is refused."""
+        if generations > self.args.max_queued_requests:
+            raise APIError(400, f"This request asks for {generations} generations (n x prompts) but the queue holds "
+                                f"{self.args.max_queued_requests} (--max-queued-requests).", param=param)
 
-    def chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
+    async def chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
         """The model's chat template over the messages, with the assistant turn opened."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not getattr(self.tokenizer.hf, "chat_template", None):
             raise APIError(400, f"The model {self.model_name!r} has no chat template; use /v1/completions with "
                                 "a plain prompt.", param="messages")
         turns = []
@@ -72,38 +77,39 @@ class Serving:
                                         "text only.", param=f"messages.{i}.content", code="unsupported_parameter")
                 content = "".join(p.text or "" for p in content)
             turns.append({"role": m.role, "content": content or ""} | ({"name": m.name} if m.name else {}))
-        try:
-            text = self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:       # jinja's TemplateError and the template's own raise_exception
-            raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return await self.tokenizer.encode_chat(turns, param="messages")
 
     def make_requests(self, prompts: Sequence[Sequence[int]], sampling: Union[dict, list[dict]], *,
-                      default_max_tokens: int, max_tokens_param: str = "max_tokens") -> list[Request]:
+                      default_max_tokens: int, names: Optional[dict[str, str]] = None) -> list[Request]:
         """Requests for each prompt times `n` (choice k of a seeded request samples with seed + k).
-        `sampling` holds SGLang sampling_params, one dict for all prompts or one per prompt."""
+        `sampling` holds SGLang sampling_params, one dict for all prompts or one per prompt; `names` maps
+        their names to the route's own (max_new_tokens -> max_tokens) for error messages."""
+        names = names or {}
         if not prompts:
             raise RequestError("The prompt is empty; pass some text or token ids.")
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         if len(samplings) != len(prompts):
-            raise RequestError(f"Got {len(samplings)} sampling_params for {len(prompts)} prompts.")
+            raise RequestError(f"Got {len(samplings)} sampling_params for {len(prompts)} prompts.", "sampling_params")
         plan = []
         for ids, values in zip(prompts, samplings):
             given = values.get("max_new_tokens") is not None
             values = {**values, "max_new_tokens": values["max_new_tokens"] if given else default_max_tokens}
-            plan.append((list(ids), given, SamplingParams.from_dict(values)))
-        total = sum(params.n for _, _, params in plan)
-        if total > self.args.max_queued_requests:
-            raise APIError(400, f"This request asks for {total} generations (n x prompts) but the queue holds "
-                                f"{self.args.max_queued_requests} (--max-queued-requests).", param="n")
-        reqs = []
+            try:
+                params = SamplingParams.from_dict(values)
+            except RequestError as exc:
+                raise _renamed(exc, names) from None
+            self._check_fits(ids, params.max_new_tokens if given else None, names.get("max_new_tokens",
+                                                                                      "max_new_tokens"))
+            plan.append((list(ids), params))
+        self.check_count(sum(params.n for _, params in plan), "n")
         base = uuid.uuid4().hex[:16]
-        for i, (ids, given, params) in enumerate(plan):
-            reqs += self.engine.make_choices(ids, params, rid=f"{base}-{i}")
-            self._check_fits(ids, params.max_new_tokens if given else None, max_tokens_param)
-        return reqs
+        return [req for i, (ids, params) in enumerate(plan)
+                for req in self.engine.make_choices(ids, params, rid=f"{base}-{i}")]
 
     def _check_fits(self, ids: list[int], max_tokens: Optional[int], param: str) -> None:
+        if len(ids) >= self.context_len:
+            raise APIError(400, f"The prompt has {len(ids)} tokens but the context length is {self.context_len}; "
+                                "shorten it.", code="context_length_exceeded")
         if max_tokens is not None and len(ids) + max_tokens > self.context_len:
             raise APIError(400, f"The prompt has {len(ids)} tokens and {param} is {max_tokens}: more than the "
                                 f"context length {self.context_len}. Lower {param}.", param=param,
@@ -116,11 +122,13 @@ class Serving:
     # ------------------------------------------------------------------ running requests
     def submit(self, reqs: Sequence[Request]) -> Submission:
         if not self.loop.alive:
-            raise APIError(503, "The server is shutting down.", headers={"Retry-After": "5"})
+            raise APIError(503, "The server is shutting down." if self.loop.stopping else
+                                "The engine has stopped after a failure; see the server log.",
+                           headers={"Retry-After": "5"})
         if self.loop.queued + len(reqs) > self.args.max_queued_requests:
             raise APIError(503, f"The server queue is full ({self.loop.queued} requests waiting); retry shortly.",
                            code="queue_full", headers={"Retry-After": "1"})
-        self.metrics.prompt_tokens.inc(sum(len(r.prompt_ids) for r in reqs))
+        self.metrics.prompt_tokens.inc(sum(r.prompt_len for r in reqs))
         return self.loop.submit(reqs)
 
     async def wait(self, sub: Submission, http: HTTPRequest) -> Optional[list[dict]]:
@@ -143,21 +151,27 @@ class Serving:
             try:
                 async for event in events:
                     yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
-                yield "data: [DONE]\n\n"
+            except Exception as exc:    # a bug: the stream's status is sent already, so it ends with an error event
+                log.exception("internal error while streaming")
+                err = APIError(500, f"Internal server error ({type(exc).__name__}); see the server log.")
+                yield f"data: {json.dumps(error_event(err))}\n\n"
             finally:
                 self.loop.abort(sub.unfinished())
+            yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def engine_abort(out: dict) -> Optional[APIError]:
-    """An engine-side abort as the error to answer with: 503 when the KV cache cannot hold the request
-    even alone, 500 when the engine failed."""
+    """An engine-side abort as the error to answer with: 500 when the engine failed, else 503 (the
+    server is shutting down, or the KV cache cannot hold the request even alone)."""
     if finish_type(out) != "abort":
         return None
     message = out["meta_info"]["finish_reason"].get("message") or "the request was aborted"
-    return APIError(500 if message == INTERNAL_ERROR else 503, f"The request could not be completed: {message}.",
-                    code="aborted")
+    if message == INTERNAL_ERROR:
+        return APIError(500, f"The request could not be completed: {message}.", code="internal_error")
+    return APIError(503, f"The request could not be completed: {message}.", code="aborted",
+                    headers={"Retry-After": "5"} if message == SHUTTING_DOWN else None)
 
 
 def error_event(err: APIError) -> dict:
@@ -168,3 +182,10 @@ async def _disconnected(http: HTTPRequest) -> None:
     """Returns once the client has closed the connection (the body has been read already)."""
     while (await http.receive())["type"] != "http.disconnect":
         pass
+
+
+def _renamed(exc: RequestError, names: dict[str, str]) -> RequestError:
+    """A sampling-parameter error told in the route's own parameter names."""
+    if exc.param not in names:
+        return exc
+    return RequestError(str(exc).replace(exc.param, names[exc.param], 1), names[exc.param])

@@ -1,0 +1,77 @@
+"""Limits that keep one client from holding the server: how large a request body may be, and how long
+a client may take to send a request."""
+
+from __future__ import annotations
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from engine.server.errors import error_response
+
+# A request's head and body must arrive within this many seconds of the connection opening (or of
+# the previous response on it).
+REQUEST_READ_TIMEOUT_S = 30.0
+
+
+class BodyLimit:
+    """413 for a request body over `max_mb` MiB: at once when Content-Length says so, else as soon as
+    the chunks received pass it. The body is read here in full and replayed to the app."""
+
+    def __init__(self, app, max_mb: int):
+        self.app, self.max_mb, self.max_bytes = app, max_mb, max_mb * 2 ** 20
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = next((int(v) for k, v in scope["headers"] if k == b"content-length"), 0)
+        if declared > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return                  # the client left before sending its request: nobody to answer
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()      # after the body: the disconnect, when it comes
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send):
+        await error_response(413, f"The request body is larger than {self.max_mb} MiB, this server's limit "
+                                  "(--max-request-body-mb).", code="request_too_large")(scope, receive, send)
+
+
+class ReadDeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose request has not fully arrived (head and body)
+    within `read_timeout_s`. uvicorn waits for a half-sent request forever, so a client could hold
+    connections open at no cost (slowloris); its keep-alive timeout covers idle connections only."""
+    read_timeout_s = REQUEST_READ_TIMEOUT_S
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._deadline = self.loop.call_later(self.read_timeout_s, self._expire)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._deadline.cancel()
+        self._deadline = self.loop.call_later(self.read_timeout_s, self._expire)
+
+    def connection_lost(self, exc) -> None:
+        self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def _expire(self) -> None:
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+            self.transport.close()
