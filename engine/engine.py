@@ -144,8 +144,14 @@ class Engine:
         if len(prompt_ids) >= context:
             raise RequestError(f"The prompt has {len(prompt_ids)} tokens but the context length is {context}; "
                                "shorten the prompt (or raise --context-length if the model allows).")
-        if params.max_new_tokens + len(prompt_ids) > context:
-            params.max_new_tokens = context - len(prompt_ids)
+        # Alone in the KV pool a request may hold it all but one step's transient slots (a draft tree).
+        room = self.kv_capacity - self._scheduler.worker.slots_per_request
+        if len(prompt_ids) >= room:
+            raise RequestError(f"The prompt has {len(prompt_ids)} tokens but the KV cache holds {self.kv_capacity} "
+                               f"(of which a step needs {self.kv_capacity - room}); shorten the prompt, or start the "
+                               "server with a larger --max-total-tokens or --mem-fraction-static.")
+        # What cannot fit is known now: max_new_tokens is clamped, and the answer ends with "length".
+        params.max_new_tokens = min(params.max_new_tokens, context - len(prompt_ids), room - len(prompt_ids))
         seed = params.seed if params.seed is not None else self.args.random_seed * 1_000_003 + next(self._seeds)
         return Request(rid or f"req-{next(self._ids)}", list(prompt_ids), params, seed)
 
@@ -162,8 +168,10 @@ class Engine:
         """Run one step; return the requests that got tokens or finished."""
         return self._scheduler.step()
 
-    def abort(self, rid: str) -> Optional[Request]:
-        return self._scheduler.abort(rid)
+    def abort(self, rid: str, message: str = "aborted by the client", status_code: Optional[int] = None
+              ) -> Optional[Request]:
+        """End a request now; `status_code` says what kind of end it is (see FinishReason)."""
+        return self._scheduler.abort(rid, message, status_code)
 
     # ------------------------------------------------------------------ SGLang-style API
     def generate(self, prompt: Prompt = None, sampling_params: Union[dict, Sequence[dict], None] = None,

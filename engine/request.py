@@ -21,6 +21,9 @@ class FinishReason:
     type: str                      # "stop" (EOS, stop string or stop token), "length", "abort"
     matched: Optional[object] = None   # the stop string or token id that fired
     message: Optional[str] = None      # why an abort happened
+    # For an abort, the HTTP status it stands for (SGLang's name): 400 the request cannot be served as
+    # sent, 500 the engine failed on it, 503 the server could not serve it now; None: the client left.
+    status_code: Optional[int] = None
 
     def to_dict(self) -> dict:
         out: dict = {"type": self.type}
@@ -28,6 +31,8 @@ class FinishReason:
             out["matched"] = self.matched
         if self.message is not None:
             out["message"] = self.message
+        if self.status_code is not None:
+            out["status_code"] = self.status_code
         return out
 
 
@@ -47,6 +52,7 @@ class Request:
     prefix_len: int = 0                        # leading tokens shared from the radix cache
     radix_node: object = None                  # locked radix node holding that prefix
     cached_tokens: int = 0                     # prompt tokens served from the radix cache at admission
+    overtaken: int = 0                         # times a later request was admitted while this one waited
 
     # Text state: output text decoded so far (stop strings are checked on it).
     text: str = ""

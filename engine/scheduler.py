@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 # Tokens of growth kept in reserve per running request when admitting new ones, so that fresh
 # admissions do not force retractions on the very next steps.
 _RESERVE_TOKENS = 8
+# Under the lpm policy a waiting request that later arrivals have overtaken this often goes first: a
+# request sharing no cached prefix cannot be starved by a stream of ones that do.
+_MAX_OVERTAKEN = 16
 
 
 class Scheduler:
@@ -72,14 +75,15 @@ class Scheduler:
         self.waiting.append(req)
 
     def _abort_oom(self, req: Request) -> None:
-        self._finish(req, FinishReason("abort", message=(
+        self._finish(req, FinishReason("abort", status_code=503, message=(
             f"out of KV cache: the request needs {req.seq_len + 1} token slots and the KV pool holds "
             f"{self.kv.capacity}; raise --max-total-tokens or --mem-fraction-static")))
 
-    def abort(self, rid: str) -> Optional[Request]:
+    def abort(self, rid: str, message: str = "aborted by the client", status_code: Optional[int] = None
+              ) -> Optional[Request]:
         for req in list(self.waiting) + self.running + ([self.prefilling] if self.prefilling else []):
             if req.rid == rid:
-                self._finish(req, FinishReason("abort", message="aborted by the client"))
+                self._finish(req, FinishReason("abort", message=message, status_code=status_code))
                 return req
         return None
 
@@ -154,21 +158,27 @@ class Scheduler:
             if n < extend:
                 self.prefilling = req
                 break
+        latest = max((r.arrival for r, _ in plan), default=None)
+        for req in self.waiting:
+            req.overtaken += latest is not None and req.arrival < latest
         return plan
 
     def _waiting_in_order(self) -> list[Request]:
         reqs = list(self.waiting)
         if self.kv.radix and self.args.schedule_policy == "lpm" and len(reqs) > 1:
-            # Longest cached prefix first; stable, so arrival order breaks ties. Matching refreshes
-            # LRU times, which is fine: these prefixes are about to be used.
-            reqs.sort(key=lambda r: -len(self.kv.match(r)[0]))
+            # Overtaken too often first, then longest cached prefix; stable, so arrival order breaks
+            # ties. Matching refreshes LRU times, which is fine: these prefixes are about to be used.
+            reqs.sort(key=lambda r: (r.overtaken < _MAX_OVERTAKEN, -len(self.kv.match(r)[0])))
         return reqs
 
     def _run_prefill(self, plan: list[tuple[Request, int]]) -> list[Request]:
+        return self._isolating(plan, self._prefill)
+
+    def _prefill(self, plan: list[tuple[Request, int]]) -> list[Request]:
         reqs, lens = [r for r, _ in plan], [n for _, n in plan]
         step = PrefillStep(reqs, lens, self.kv.alloc(sum(lens)))
         done = [r for i, r in enumerate(reqs) if step.completes(i)]
-        result = self.worker.forward(step)
+        result = self._forward(step)
         self.kv.commit(reqs, lens, step.slots)
         self.stats["prefill_tokens"] += sum(lens)
         self._keep_captured(reqs, result)
@@ -188,11 +198,38 @@ class Scheduler:
                 return []
             else:
                 self._retract(self._victim())
-        reqs = list(self.running)
+        return self._isolating(list(self.running), self._decode)
+
+    def _decode(self, reqs: list[Request]) -> list[Request]:
+        per_req = self.worker.slots_per_request
         step = DecodeStep(reqs, self.kv.alloc(per_req * len(reqs)).view(len(reqs), per_req))
-        result = self.worker.forward(step)
-        self._apply_decode(step, result)
+        self._apply_decode(step, self._forward(step))
         return reqs
+
+    def _forward(self, step) -> StepResult:
+        try:
+            return self.worker.forward(step)
+        except Exception:
+            self.kv.free(step.slots.flatten())      # nothing of the step was committed
+            raise
+
+    def _isolating(self, items: list, run) -> list[Request]:
+        """run(items) -> the requests it touched. When a step fails, its requests run one by one: the
+        one that fails alone ends with an error (500) and the others go on as if nothing happened."""
+        try:
+            return run(items)
+        except Exception as exc:
+            if len(items) > 1:
+                log.warning("a step of %d requests failed (%s); running them one by one", len(items), exc)
+                return [req for item in items for req in self._isolating([item], run)]
+            req = items[0][0] if isinstance(items[0], tuple) else items[0]
+            log.exception("request %s failed; ending it", req.rid)
+            self._fail(req, exc)
+            return [req]
+
+    def _fail(self, req: Request, exc: Exception) -> None:
+        self._finish(req, FinishReason("abort", status_code=500, message=(
+            f"internal error while generating ({type(exc).__name__}); see the server log")))
 
     def _apply_decode(self, step: DecodeStep, result: StepResult) -> None:
         slots, kept = step.slots, result.kept.to(step.slots.device)
@@ -231,16 +268,22 @@ class Scheduler:
 
     # ------------------------------------------------------------------ output and stopping
     def _append(self, req: Request, tokens: Sequence[int]) -> bool:
-        """Append tokens one at a time until one finishes the request; True when it finished."""
-        for tok in tokens:
-            req.token_ids.append(tok)
-            if req.first_token_time is None:
-                req.first_token_time = time.perf_counter()
-            req.text += req.detok.step(req.token_ids)
-            reason = self._stop_reason(req, tok)
-            if reason is not None:
-                self._finish(req, reason)
-                return True
+        """Append tokens one at a time until one finishes the request; True when it finished. A failure
+        here (detokenizing, say) ends this request alone."""
+        try:
+            for tok in tokens:
+                req.token_ids.append(tok)
+                if req.first_token_time is None:
+                    req.first_token_time = time.perf_counter()
+                req.text += req.detok.step(req.token_ids)
+                reason = self._stop_reason(req, tok)
+                if reason is not None:
+                    self._finish(req, reason)
+                    return True
+        except Exception as exc:
+            log.exception("request %s failed after its step; ending it", req.rid)
+            self._fail(req, exc)
+            return True
         return False
 
     def _stop_reason(self, req: Request, tok: int) -> Optional[FinishReason]:
@@ -271,7 +314,10 @@ class Scheduler:
         if self.prefilling is req:
             self.prefilling = None
         self._release_kv(req)
-        req.text += req.detok.step(req.token_ids, final=True)
+        try:
+            req.text += req.detok.step(req.token_ids, final=True)
+        except Exception:                   # a detokenizer that failed once: keep the text so far
+            log.exception("request %s: the last text could not be decoded", req.rid)
         if req.stop_text_cut is not None:
             req.text = req.text[:req.stop_text_cut]
         req.status = Status.FINISHED

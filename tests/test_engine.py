@@ -100,11 +100,14 @@ def test_preemption_under_tiny_kv_budget(llama_dir, radix):
     assert (stats["kv_tokens_cached"] > 0) == radix
 
 
-def test_request_too_large_for_pool_is_aborted_not_hung(llama_dir):
+def test_what_cannot_fit_the_pool_is_known_at_admission(llama_dir):
+    """A prompt the KV pool cannot hold is refused at once; max_new_tokens beyond what fits is clamped
+    and the answer ends with "length" (not after minutes, not an abort)."""
     eng = engine(llama_dir, max_total_tokens=30)
-    out = eng.generate(input_ids=prompts(1, seed=7, lo=40, hi=41)[0], sampling_params=GREEDY)
-    assert out["meta_info"]["finish_reason"]["type"] == "abort"
-    assert "--max-total-tokens" in out["meta_info"]["finish_reason"]["message"]
+    with pytest.raises(RequestError, match="KV cache holds 30.*--max-total-tokens"):
+        eng.generate(input_ids=prompts(1, seed=7, lo=40, hi=41)[0], sampling_params=GREEDY)
+    out = eng.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 100})
+    assert out["meta_info"]["finish_reason"]["type"] == "length" and len(out["output_ids"]) == 30 - 1 - 3
 
 
 def test_seeded_sampling_reproducible(llama_dir):

@@ -21,8 +21,8 @@ from engine.request import Request
 
 log = logging.getLogger(__name__)
 
-# The abort messages of requests failed by a bug in the engine (answered 500) and of those still
-# running when shutdown's grace period ran out (503, as other aborts).
+# The abort messages of requests failed by a bug in the engine loop itself (answered 500) and of those
+# still running when shutdown's grace period ran out (503).
 INTERNAL_ERROR = "internal error while generating; see the server log"
 SHUTTING_DOWN = "the server is shutting down"
 # /health answers 503 once the loop has held requests this long without making progress (no step
@@ -172,14 +172,14 @@ class EngineLoop:
                     self._subs[req.rid] = (sub, index)
                     self.engine.add_request(req)
                     if self._stopping:
-                        self.engine.abort(req.rid)
+                        self.engine.abort(req.rid, SHUTTING_DOWN, 503)
             elif kind == "abort":
                 for rid in payload:
                     self.engine.abort(rid)
             else:
                 self._stopping = True
                 for rid in list(self._subs):
-                    self.engine.abort(rid)
+                    self.engine.abort(rid, SHUTTING_DOWN, 503)
 
     def _deliver(self, touched: Sequence[Request]) -> None:
         batch = []
@@ -191,8 +191,6 @@ class EngineLoop:
                 del self._subs[req.rid]
             out = self.engine.output_dict(req)
             out["meta_info"].setdefault("spec_verify_ct", req.spec_verify_ct)
-            if self._stopping and finish_type(out) == "abort":
-                out["meta_info"]["finish_reason"]["message"] = SHUTTING_DOWN
             batch.append((*target, out))
         self._send(batch)
 
@@ -215,7 +213,8 @@ class EngineLoop:
             return
         batch = []
         for rid, (sub, index) in self._subs.items():
-            reason = {"type": "abort", "message": message}
+            reason = {"type": "abort", "message": message,
+                      "status_code": 500 if message == INTERNAL_ERROR else 503}
             batch.append((sub, index, {"text": "", "output_ids": [], "meta_info": {
                 "id": rid, "prompt_tokens": 0, "completion_tokens": 0, "spec_verify_ct": 0, "cached_tokens": 0,
                 "finish_reason": reason, "e2e_latency": 0.0, "ttft": None}}))

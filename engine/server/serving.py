@@ -20,7 +20,7 @@ from engine.engine import Engine
 from engine.errors import RequestError
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.server.engine_loop import INTERNAL_ERROR, SHUTTING_DOWN, EngineLoop, Submission, finish_type
+from engine.server.engine_loop import SHUTTING_DOWN, EngineLoop, Submission, finish_type
 from engine.server.errors import APIError, error_body
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import APIBody, ChatMessage
@@ -163,13 +163,18 @@ class Serving:
 
 
 def engine_abort(out: dict) -> Optional[APIError]:
-    """An engine-side abort as the error to answer with: 500 when the engine failed, else 503 (the
-    server is shutting down, or the KV cache cannot hold the request even alone)."""
+    """An engine-side abort as the error to answer with, by the status the engine gave it: 500 when the
+    engine failed on the request, 400 when it cannot be served as sent, else 503 (shutting down, or the
+    KV cache cannot hold it now)."""
     if finish_type(out) != "abort":
         return None
-    message = out["meta_info"]["finish_reason"].get("message") or "the request was aborted"
-    if message == INTERNAL_ERROR:
+    reason = out["meta_info"]["finish_reason"]
+    message = reason.get("message") or "the request was aborted"
+    status = reason.get("status_code") or 503
+    if status == 500:
         return APIError(500, f"The request could not be completed: {message}.", code="internal_error")
+    if status == 400:
+        return APIError(400, f"The request cannot be served: {message}.", code="invalid_request")
     return APIError(503, f"The request could not be completed: {message}.", code="aborted",
                     headers={"Retry-After": "5"} if message == SHUTTING_DOWN else None)
 
