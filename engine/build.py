@@ -85,7 +85,7 @@ def model_bytes(model: Optional[nn.Module]) -> int:
 def build_engine_parts(args: ServerArgs) -> EngineParts:
     from engine.attention import create_backend
     from engine.loader import load_config, load_tokenizer, resolve_model_path
-    from engine.model_runner import load_model, resolve_device, resolve_dtype
+    from engine.model_runner import load_model, resolve_device, resolve_dtype, resolve_quantization
     from engine.scheduler import Scheduler
     from engine.speculative.factory import load_draft_model
 
@@ -98,11 +98,13 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
                     "may degrade", args.context_length, max_pos)
     tokenizer = load_tokenizer(args.tokenizer_path or model_dir, args.trust_remote_code)
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, config, device)
+    quantization = resolve_quantization(args.quantization, model_dir, device, args.dtype)
+    dtype = resolve_dtype(args.dtype, config, device, quantized=quantization is not None)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     max_positions = args.max_positions
-    target = load_model(model_dir, config, dtype, device, max_positions)
+    target = load_model(model_dir, config, dtype, device, max_positions, prepack=not args.enable_torch_compile,
+                        quantization=quantization)
     draft = load_draft_model(args, target, model_dir, dtype, device, max_positions)
 
     per_token = KVPool.bytes_per_token(*kv_layout(target), dtype)
@@ -116,9 +118,15 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     runner = ModelRunner(target, pool, create_backend(args.attention_backend, device, pool))
     eos = eos_token_ids(model_dir, config, tokenizer)
     worker = build_worker(args, runner, kv, eos, draft)
+    from engine.graph_runner import attach
+
+    # Model drafters verify full trees, one shape per batch size; n-gram trees vary and run eagerly.
+    model_draft = draft is not None
+    attach(args, runner, kv, device, max_running, worker.num_draft_tokens if model_draft else 1,
+           tree_masks=model_draft and args.speculative_eagle_topk > 1)
     scheduler = Scheduler(args, kv, worker, tokenizer, eos, args.context_length, max_running, device)
-    log.info("model %s: %s, %.0f MiB of weights%s; KV pool %d tokens (%.0f MiB)", model_dir, dtype,
-             model_bytes(target) / 2**20, f" + {model_bytes(draft) / 2**20:.0f} MiB draft" if draft is not None else "",
+    log.info("model %s: %s%s, %.0f MiB of weights%s; KV pool %d tokens (%.0f MiB)", model_dir, dtype,
+             f", {quantization} weights" if quantization else "", model_bytes(target) / 2**20, f" + {model_bytes(draft) / 2**20:.0f} MiB draft" if draft is not None else "",
              slots, slots * per_token / 2**20)
     return EngineParts(args, model_dir, config, tokenizer, kv, runner, draft, scheduler, eos)
 

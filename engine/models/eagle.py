@@ -75,7 +75,7 @@ class EagleDraft(nn.Module):
 
     def forward(self, embeds, hidden, positions, batch, backend) -> torch.Tensor:
         h = self.fc(torch.cat([embeds, hidden], dim=-1))
-        return self.layers[0](h, positions, self.rotary, batch, backend)
+        return self.layers[0](h, self.rotary(positions, h.dtype), batch, backend)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(h)
@@ -92,9 +92,9 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
-    def forward(self, embeds, h, positions, rotary, batch, backend) -> torch.Tensor:
+    def forward(self, embeds, h, rope, batch, backend) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(h)], dim=-1)
-        h = h + self.self_attn(x, positions, rotary, batch, backend)
+        h = h + self.self_attn(x, rope, batch, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -122,7 +122,7 @@ class Eagle3Draft(nn.Module):
         return self.fc(torch.cat([captured[i][rows] for i in self.aux_layers], dim=-1))
 
     def forward(self, embeds, hidden, positions, batch, backend) -> torch.Tensor:
-        return self.midlayer(embeds, hidden, positions, self.rotary, batch, backend)
+        return self.midlayer(embeds, hidden, self.rotary(positions, hidden.dtype), batch, backend)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(h))

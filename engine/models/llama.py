@@ -59,16 +59,16 @@ class Rotary(nn.Module):
         sin = emb.sin() * scaling
         sin[:, :head_dim // 2].neg_()
         self.register_buffer("signed_sin", sin.to(device), persistent=False)
-        self._cached: tuple | None = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, heads, head_dim] (queries and keys together) to its tokens' positions."""
-        # Every layer of a forward passes the same positions tensor: gather its cos/sin once.
-        if self._cached is None or self._cached[0] is not positions or self._cached[1].dtype != x.dtype:
-            self._cached = (positions, self.cos[positions].to(x.dtype)[:, None, :],
-                            self.signed_sin[positions].to(x.dtype)[:, None, :])
-        _, cos, sin = self._cached
-        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens' (cos, sin) [T, 1, head_dim], gathered once per forward for every layer."""
+        return self.cos[positions].to(dtype)[:, None, :], self.signed_sin[positions].to(dtype)[:, None, :]
+
+
+def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] (queries and keys together) by the tokens' (cos, sin)."""
+    cos, sin = rope
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class Attention(nn.Module):
@@ -92,7 +92,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, positions, rotary: Rotary, batch: ForwardBatch, backend: AttentionBackend):
+    def forward(self, x, rope, batch: ForwardBatch, backend: AttentionBackend):
         T = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
@@ -100,7 +100,7 @@ class Attention(nn.Module):
         v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
-        q, k = rotary(qk, positions).split((H, Hkv), dim=1)
+        q, k = rotate(qk, rope).split((H, Hkv), dim=1)
         out = backend.forward(q, k, v, self.layer, batch, self.scale)
         return self.o_proj(out.reshape(T, -1))
 
@@ -125,8 +125,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h, positions, rotary, batch, backend):
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, batch, backend)
+    def forward(self, h, rope, batch, backend):
+        h = h + self.self_attn(self.input_layernorm(h), rope, batch, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -169,13 +169,18 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 backend: AttentionBackend, input_embeds: torch.Tensor | None = None):
         h = self.embed(input_ids) if input_embeds is None else input_embeds
+        rope = self.model.rotary(positions, h.dtype)
+        # Every layer's input is kept when some are asked for, and picked at the end: torch.compile
+        # (2.13) drops tensors a loop adds to a container only on some iterations.
+        states: list[torch.Tensor] | None = [] if batch.capture_hidden else None
+        for layer in self.model.layers:
+            if states is not None:
+                states.append(h)
+            h = layer(h, rope, batch, backend)
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            if i in batch.capture_hidden:
-                captured[i] = h
-            h = layer(h, positions, self.model.rotary, batch, backend)
-        if len(self.model.layers) in batch.capture_hidden:
-            captured[len(self.model.layers)] = h
+        if states is not None:
+            states.append(h)
+            captured = {i: states[i] for i in batch.capture_hidden}
         return self.model.norm(h), captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -93,7 +93,7 @@ class MtpDraft(nn.Module):
             embeds = embeds.masked_fill((positions == 0)[:, None], 0)
         e, h = self.embed_norm(embeds), self.hidden_norm(hidden)
         x = self.proj(torch.cat([h, e] if self.hidden_first else [e, h], dim=-1))
-        return self.final_norm(self.layer(x, positions, self.rotary, batch, backend))
+        return self.final_norm(self.layer(x, self.rotary(positions, x.dtype), batch, backend))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(h)

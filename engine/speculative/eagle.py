@@ -58,6 +58,12 @@ def load_draft(args: ServerArgs, target: nn.Module, target_dir, dtype: torch.dty
         model = load_mtp_draft(draft_dir, target, own=own, **kw)
     else:
         model = load_eagle_draft(algorithm, draft_dir, target, **kw)
+    if args.speculative_draft_model_quantization in ("int4", "int8"):
+        from engine.model_runner import resolve_quantization
+        from engine.models.quant import quantize_loaded
+
+        quantize_loaded(model, resolve_quantization(args.speculative_draft_model_quantization, draft_dir, device,
+                                                    args.dtype))
     log.info("%s draft %s: aux hidden states %s", algorithm, draft_dir, model.aux_layers or "none")
     return model
 

@@ -38,7 +38,10 @@ def load_draft(args: ServerArgs, target: nn.Module, target_dir, dtype: torch.dty
     draft_dir = resolve_model_path(args.speculative_draft_model_path, args.speculative_draft_model_revision)
     config = load_config(draft_dir, args.trust_remote_code)
     check_same_vocabulary(args, target.config, target_dir, draft_dir, config)
-    model = load_model(draft_dir, config, dtype, device, max_positions)
+    from engine.model_runner import resolve_quantization
+
+    quantization = resolve_quantization(args.speculative_draft_model_quantization, draft_dir, device, args.dtype)
+    model = load_model(draft_dir, config, dtype, device, max_positions, quantization=quantization)
     vocab = target.config.vocab_size
     hot = (load_token_map(args.speculative_token_map, min(vocab, config.vocab_size))
            if args.speculative_token_map else None)

@@ -1,0 +1,67 @@
+"""GGUF's 4-bit block formats as groups of 32 weights: w = q * scale + min, q in 0..15.
+
+Q4_0 (d; w = d * (q - 8)), Q4_1 (d, m; w = d * q + m) and Q4_K (super-blocks of 256: d, dmin and
+6-bit sub-block scales and mins; w = d * sc * q - dmin * mn) all have this form with fp32 scale and
+min per 32 weights, so `decode` is exact: `dequantize(decode(t))` equals gguf's own dequantization bit
+for bit (tests/test_quant.py). The engine serves these groups with its int4 kernels
+(engine/models/quant.py). Other types (Q6_K, Q8_0, Q5_*) are left to the dequantized checkpoint.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+GROUP = 32
+
+
+def decodable(type_name: str) -> bool:
+    return type_name in ("Q4_0", "Q4_1", "Q4_K")
+
+
+def decode(raw: np.ndarray, type_name: str, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A tensor's raw GGUF blocks (uint8, rows x bytes per row) -> (q [rows, K] uint8, scale and min
+    [rows, K / 32] float32)."""
+    blocks = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}[type_name]
+    b = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, blocks)
+    if type_name == "Q4_K":
+        q, scale, low = _q4_k(b)
+    else:
+        d = b[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
+        nibbles = b[:, 2:] if type_name == "Q4_0" else b[:, 4:]
+        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1)            # [blocks, 32]
+        scale = d
+        low = (-8.0 * d).astype(np.float32) if type_name == "Q4_0" else \
+            b[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
+    return q.reshape(rows, -1), scale.reshape(rows, -1), low.reshape(rows, -1)
+
+
+def _q4_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    import gguf
+
+    nb = b.shape[0]
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = gguf.quants.Q4_K.get_scale_min(b[:, 4:16])                         # [nb, 8] each
+    # 128 bytes: 4 chunks of 32; a chunk's low nibbles are sub-block 2c, its high nibbles 2c + 1.
+    shifted = b[:, 16:].reshape(nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (shifted & 0x0F).reshape(nb * 8, GROUP)
+    return q, (d * sc.astype(np.float32)).reshape(-1), (-(dmin * mn.astype(np.float32))).reshape(-1)
+
+
+def pack(q: np.ndarray) -> torch.Tensor:
+    """q [N, K] in 0..15 -> uint8 [N, K / 2]: byte j holds q[:, 2j] (low nibble) and q[:, 2j + 1]."""
+    q = torch.from_numpy(np.ascontiguousarray(q)).to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K / 2] -> q [N, K] (int32)."""
+    low, high = (packed & 0x0F).to(torch.int32), (packed >> 4).to(torch.int32)
+    return torch.stack([low, high], dim=-1).flatten(-2)
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """float32 weights [N, K] of packed groups: q * scale + min, as GGUF computes them."""
+    q = unpack(packed).float().view(packed.shape[0], -1, GROUP)
+    return (q * scale[:, :, None] + low[:, :, None]).view(packed.shape[0], -1)

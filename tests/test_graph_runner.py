@@ -1,0 +1,74 @@
+"""The bucketing, padding and replay of decode steps (engine/graph_runner.py), checked on the CPU: the
+padded batch run eagerly, and a stand-in for CUDA graph capture that replays on the captured (static)
+inputs, so every input a step needs must be copied into them. Outputs stay exactly plain decoding's."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.graph_runner import StepGraphs, buckets
+from tests.test_speculative_lossless import ALGOS, draft_setup
+from tests.tiny import make_model, random_prompts, tiny_engine
+
+GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+
+
+def test_buckets():
+    assert buckets(32) == [1, 2, 4, 8, 16, 24, 32] and buckets(5) == [1, 2, 4, 5] and buckets(1) == [1]
+
+
+def replaying_capture(fn, batch):
+    """What a CUDA graph does, on the CPU: replay runs fn on the captured batch's tensors and writes
+    the results into the captured outputs."""
+    out = fn(batch)
+
+    def replay():
+        hidden, captured = fn(batch)
+        out[0].copy_(hidden)
+        for i, h in captured.items():
+            out[1][i].copy_(h)
+
+    return replay, out
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("target"), "llama", seed=3)
+
+
+@pytest.mark.parametrize("capture", [None, replaying_capture], ids=["padded", "replayed"])
+@pytest.mark.parametrize("algo", [None] + [a for a in ALGOS if a != "NGRAM"])   # n-gram trees vary: eager
+def test_bucketed_decode_is_lossless(algo, capture, target, tmp_path):
+    prompts = random_prompts(5, seed=4)
+    spec = {} if algo is None else draft_setup(algo, target, tmp_path)
+    model = spec.pop("model_path", target)
+    reference = tiny_engine(model, algo, tree=(3, 2, 6), **spec)
+    expected = [o["output_ids"] for o in reference.generate(input_ids=prompts, sampling_params=GREEDY)]
+    if capture is not None:         # graphs need metadata shaped by the bucket alone: the Triton backend's
+        pytest.importorskip("triton")
+        spec["attention_backend"] = "triton"
+    eng = tiny_engine(model, algo, tree=(3, 2, 6), **spec)
+    runner, kv = eng._target, eng._kv
+    graphs = runner.graphs = StepGraphs(runner.run_model, runner.backend.prepare, 8, kv.pad_row, kv.pad_slot,
+                                        capture)
+    sizes = []
+    run = graphs.run
+    graphs.run = lambda batch, size: sizes.append((batch.batch_size, size)) or run(batch, size)
+    assert [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)] == expected
+    assert (5, 8) in sizes and all(size == min(b for b in buckets(8) if b >= n) for n, size in sizes)
+    assert eng.stats()["kv_tokens_used"] == 0
+
+
+@pytest.mark.parametrize("algo", [None, "EAGLE3"])
+def test_compiled_decode_gives_the_same_tokens(algo, target, tmp_path):
+    """--enable-torch-compile: decode and verify run compiled (one dynamic graph, warmed up at start)."""
+    prompts = random_prompts(4, seed=9)
+    spec = {} if algo is None else draft_setup(algo, target, tmp_path)
+    expected = [o["output_ids"] for o in tiny_engine(target, algo, tree=(3, 2, 6), **spec).generate(
+        input_ids=prompts, sampling_params=GREEDY)]
+    eng = tiny_engine(target, algo, tree=(3, 2, 6), enable_torch_compile=True, torch_compile_max_bs=4, **spec)
+    calls = []
+    fn = eng._target.graphs.fn
+    eng._target.graphs.fn = lambda batch: calls.append(batch.batch_size) or fn(batch)
+    assert [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)] == expected
+    assert 4 in calls

@@ -1,0 +1,125 @@
+"""Quantized weights: GGUF's 4-bit blocks decoded bit for bit, the int4/int8 linears against their
+dequantized reference, a row's result independent of how many rows a call has (what verification
+leans on), and engines on quantized weights: GGUF files served from their own 4-bit layers, and
+speculative decoding lossless relative to the quantized target."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.loader import gguf_quant
+from engine.models.quant import Int4Linear, Int8Linear
+from tests.test_loader import gguf_tokenizer, tiny_llama, write_tiny_gguf
+from tests.test_speculative_lossless import ALGOS, draft_setup, prompts as lossless_prompts
+from tests.tiny import make_model, tiny_engine
+
+GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
+
+
+def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Raw blocks of a [rows, cols] tensor: quantized from random weights, or for Q4_K (which gguf-py
+    cannot quantize) random bytes, every one a valid Q4_K block with finite fp16 scales."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    kind_enum = gguf.GGMLQuantizationType[kind]
+    if kind != "Q4_K":
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), kind_enum)
+    blocks = rng.integers(0, 256, (rows * cols // 256, 144), dtype=np.uint8)
+    blocks[:, 0:4] = rng.uniform(0.001, 0.1, (len(blocks), 2)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_gguf_4bit_blocks_decode_bit_exactly(kind):
+    import gguf
+
+    raw = gguf_blocks(kind, 12, 512)
+    q, scale, low = gguf_quant.decode(raw, kind, 12)
+    ours = gguf_quant.dequantize(gguf_quant.pack(q), torch.from_numpy(scale), torch.from_numpy(low))
+    theirs = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]))
+    assert torch.equal(ours, theirs.reshape(12, 512)) and q.max() <= 15
+
+
+def test_int4_linear_computes_with_its_groups():
+    """Built from groups (as from a GGUF), it multiplies by q * scale + min, scale and min in bf16."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (96, 256), generator=g)
+    scale, low = torch.rand(96, 8, generator=g) * 0.01, torch.randn(96, 8, generator=g) * 0.05
+    bias = torch.nn.Parameter(torch.randn(96, generator=g))
+    linear = Int4Linear(gguf_quant.pack(q.numpy()), scale, low, bias)
+    dq = gguf_quant.dequantize(gguf_quant.pack(q.numpy()), scale.bfloat16().float(),
+                               (low + 8 * scale).bfloat16().float() - 8 * scale.bfloat16().float())
+    x = torch.randn(5, 256, generator=g)
+    expected = x.bfloat16().float() @ dq.t() + bias
+    assert (linear(x) - expected).abs().max() < 1e-2 * expected.abs().max()
+
+
+@pytest.mark.parametrize("cls, tolerance", [(Int4Linear, 0.1), (Int8Linear, 0.02)])
+def test_quantized_linear_approximates_the_float_one(cls, tolerance):
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(96, 256, generator=g) * 0.05, torch.randn(5, 256, generator=g)
+    expected = x @ w.t()
+    assert (cls.quantize(w, None)(x) - expected).abs().max() < tolerance * expected.abs().max()
+
+
+@pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
+def test_a_row_does_not_depend_on_the_rows_beside_it(cls):
+    g = torch.Generator().manual_seed(1)
+    linear = cls.quantize(torch.randn(64, 128, generator=g), None)
+    x = torch.randn(16, 128, generator=g)
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(16)])
+    assert torch.equal(linear(x), alone) and torch.equal(linear(x[:8]), alone[:8])
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("target"), "llama", seed=3)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("algo", ALGOS)
+def test_speculation_is_lossless_on_quantized_weights(kind, algo, target, tmp_path):
+    prompts = lossless_prompts()         # a repetitive one among them: drafts get accepted
+    spec = draft_setup(algo, target, tmp_path)
+    model = spec.pop("model_path", target)
+    plain = tiny_engine(model, quantization=kind)
+    expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=GREEDY)]
+    eng = tiny_engine(model, algo, tree=(3, 2, 6), quantization=kind, **spec)
+    assert [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)] == expected
+    stats = eng.stats()
+    assert stats["spec_verify_ct"] > 0 and (algo != "NGRAM" or stats["avg_spec_accept_length"] > 1)
+
+
+def test_gguf_is_served_from_its_own_4bit_layers(tmp_path, monkeypatch):
+    """Q4_0 and Q4_1 layers (and a Q8_0 one, served dense): the converted directory keeps their groups
+    bit-exactly (renamed and permuted as the dequantized copies), the engine serves them as int4 unless
+    --dtype float32 asks for the exact reference, and the two agree closely."""
+    from engine import Engine
+    from engine.loader import convert_gguf, iter_weights
+    from engine.loader.gguf_convert import int4_groups
+
+    monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))      # the conversion stays in this test
+    tokenizer = gguf_tokenizer()
+    model = tiny_llama(len(tokenizer))
+    types = {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q4_0", "o_proj": "Q4_1", "gate_proj": "Q4_1",
+             "up_proj": "Q4_1", "down_proj": "Q8_0"}
+    path = tmp_path / "tiny-llama.Q4.gguf"
+    write_tiny_gguf(path, model, tokenizer, types)
+    converted = convert_gguf(path)
+    groups, weights = int4_groups(converted), dict(iter_weights(converted))
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+                 "model.layers.0.mlp.up_proj.weight"):
+        assert torch.equal(gguf_quant.dequantize(*groups(name)), weights[name]), name
+    assert groups("model.layers.0.mlp.down_proj.weight") is None
+
+    quantized = Engine(model_path=str(path), max_total_tokens=2048)
+    exact = Engine(model_path=str(path), dtype="float32", max_total_tokens=2048)
+    layer = quantized._target.model.model.layers[0]
+    assert type(layer.self_attn.qkv_proj).__name__ == "Int4Linear" and type(layer.mlp.gate_up_proj).__name__ == "Int4Linear"
+    assert type(exact._target.model.model.layers[0].self_attn.qkv_proj).__name__ != "Int4Linear"
+    ids = tokenizer("the quick brown fox").input_ids
+    runs = [e.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 8}) for e in (quantized, exact)]
+    assert all(len(r["output_ids"]) == 8 for r in runs)
