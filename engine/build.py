@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from engine.config import ServerArgs
+from engine.config import ServerArgs, model_max_positions
 from engine.errors import ConfigError
 from engine.memory.kv_manager import KVManager
 from engine.memory.kv_pool import KVPool
@@ -91,8 +91,8 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
 
     model_dir = resolve_model_path(args.model_path, args.revision)
     config = load_config(model_dir, args.trust_remote_code)
-    max_pos = getattr(config, "max_position_embeddings", None) or 4096
-    args = args.resolved(config.model_type, max_pos)
+    max_pos = model_max_positions(config)
+    args = args.resolved(config)
     if args.context_length > max_pos:
         log.warning("--context-length %d exceeds the model's max_position_embeddings %d; outputs past it "
                     "may degrade", args.context_length, max_pos)

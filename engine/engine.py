@@ -94,8 +94,7 @@ class Engine:
                        "speculative_num_draft_tokens": None}
         if self.has_work:
             raise ConfigError("set_speculative runs between requests only; finish or abort the running ones first.")
-        max_pos = getattr(self.model_config, "max_position_embeddings", None) or 4096
-        args = dataclasses.replace(self.args, **changes).resolved(self.model_config.model_type, max_pos)
+        args = dataclasses.replace(self.args, **changes).resolved(self.model_config)
         from engine.build import build_worker
         from engine.speculative.factory import uses_rejection
 

@@ -126,7 +126,7 @@ def test_bad_value_exits_2_without_traceback(served, args, needle):
 
 
 def test_bad_combination_is_one_line_before_anything_loads(served):
-    line = assert_user_error(run("serve", "--algo", "EAGLE"), "--speculative-algorithm EAGLE", "--draft")
+    line = assert_user_error(run("serve", "--algo", "EAGLE3"), "--speculative-algorithm EAGLE3", "--draft")
     assert "draft model" in line
     assert not served
 

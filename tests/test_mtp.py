@@ -175,11 +175,23 @@ def test_well_predicting_mtp_layer_is_accepted(tmp_path, layout):
     assert all(o["meta_info"]["spec_verify_ct"] == 8 for o in outs)
 
 
+def test_eagle_without_a_draft_runs_the_targets_mtp_layers(models, expected):
+    """SGLang's MiMo-7B-RL example: --speculative-algorithm EAGLE, steps 1, topk 1, 2 draft tokens, no draft."""
+    batch, outputs = expected
+    eng = engine(models["mimo"][1], "EAGLE", tree=(1, 1, 2))
+    assert eng.args.speculative_algorithm == "MTP" and isinstance(eng._scheduler.worker.drafter.model, MtpDraft)
+    outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == outputs["mimo"]
+    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
+
+
 # ------------------------------------------------------------------------------------------------ refusals
 def test_target_without_mtp_layers_is_refused(models):
     base = models["mimo"][0]
     with pytest.raises(ConfigError, match="has no MTP layers.*--speculative-draft-model-path.*EAGLE.*NGRAM"):
         engine(base, "MTP")
+    with pytest.raises(ConfigError, match="EAGLE needs a draft model.*this target has none"):
+        engine(base, "EAGLE")
 
 
 def test_bad_mtp_checkpoints_are_refused(models, tmp_path):

@@ -18,8 +18,9 @@ from engine.sampling_params import SamplingParams
 from tests.tiny import make_model, target_probs
 
 GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
-# (steps, topk, draft tokens): chains, small and wide trees, a deep one, the largest.
-SHAPES = [(1, 1, 2), (3, 1, 4), (7, 1, 8), (2, 2, 4), (3, 4, 8), (5, 8, 32), (7, 8, 56), (8, 8, 64)]
+# (steps, topk, draft tokens): chains, small trees, wide ones past steps*topk + 1 (SGLang's guide's
+# (3, 4, 16) and (5, 8, 64): EAGLE-2 ranks topk + (steps-1)*topk^2 candidates), a deep one.
+SHAPES = [(1, 1, 2), (3, 1, 4), (7, 1, 8), (2, 2, 4), (3, 4, 8), (3, 4, 16), (5, 8, 32), (5, 8, 64), (8, 8, 64)]
 
 
 def draft_setup(algo: str, target_dir, tmp_path, vocab: int = 320) -> dict:
