@@ -43,9 +43,11 @@ def max_draft_tokens(steps: int, topk: int) -> int:
     return 1 + topk + (steps - 1) * topk * topk
 
 
-def opt(help: str, *, flags: tuple[str, ...] = (), group: str = "Model", choices: tuple[str, ...] = ()):
-    """Field metadata read by the CLI generator: help text, extra flag spellings, help group, choices."""
-    return {"help": help, "flags": flags, "group": group, "choices": choices}
+def opt(help: str, *, flags: tuple[str, ...] = (), hidden: tuple[str, ...] = (), group: str = "Model",
+        choices: tuple[str, ...] = ()):
+    """Field metadata read by the CLI generator: help text, extra flag spellings (`hidden` ones are
+    accepted but not listed in --help), help group, choices."""
+    return {"help": help, "flags": flags, "hidden": hidden, "group": group, "choices": choices}
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,9 @@ class ServerArgs:
     speculative_draft_model_path: Optional[str] = field(default=None, metadata=opt(
         "Draft model for EAGLE, EAGLE3 and STANDALONE (same forms as --model); for MTP (and EAGLE on a "
         "target with MTP layers), an optional nextn checkpoint (default: the target's own MTP layers).",
-        flags=("--speculative-draft-model-path", "--draft"), group="Speculative decoding"))
+        flags=("--speculative-draft-model-path", "--draft"), group="Speculative decoding",
+        # SGLang's alias, and what its guides write (an argparse prefix from when no other flag began so).
+        hidden=("--speculative-draft-model", "--speculative-draft")))
     speculative_draft_model_revision: Optional[str] = field(default=None, metadata=opt(
         "Hub revision of the draft model.", group="Speculative decoding"))
     speculative_num_steps: Optional[int] = field(default=None, metadata=opt(
@@ -364,7 +368,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(ServerArgs)}
 _ALIASES = {
     flag.lstrip("-").replace("-", "_"): f.name
     for f in dataclasses.fields(ServerArgs)
-    for flag in f.metadata.get("flags", ())
+    for flag in (*f.metadata.get("flags", ()), *f.metadata.get("hidden", ()))
     if flag.startswith("--")
 }
 
