@@ -4,7 +4,7 @@ the KV memory budget, the KV manager, the worker and the scheduler."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -82,6 +82,17 @@ def model_bytes(model: Optional[nn.Module]) -> int:
     return getattr(model, "weight_bytes", None) or sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def resolve_args(args: ServerArgs, model_config) -> ServerArgs:
+    """`args` resolved against the target's config, a hub-style token map fetched: everything that can be
+    refused is, before any weight loads."""
+    from engine.speculative.token_map import resolve_token_map
+
+    args = args.resolved(model_config)
+    if args.speculative_token_map:
+        args = replace(args, speculative_token_map=resolve_token_map(args.speculative_token_map))
+    return args
+
+
 def build_engine_parts(args: ServerArgs) -> EngineParts:
     from engine.attention import create_backend
     from engine.loader import load_config, load_tokenizer, resolve_model_path
@@ -89,10 +100,10 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     from engine.scheduler import Scheduler
     from engine.speculative.factory import load_draft_model
 
-    model_dir = resolve_model_path(args.model_path, args.revision)
+    model_dir = resolve_model_path(args.model_path, args.revision, args.trust_remote_code)
     config = load_config(model_dir, args.trust_remote_code)
     max_pos = model_max_positions(config)
-    args = args.resolved(config)
+    args = resolve_args(args, config)
     if args.context_length > max_pos:
         log.warning("--context-length %d exceeds the model's max_position_embeddings %d; outputs past it "
                     "may degrade", args.context_length, max_pos)

@@ -68,7 +68,9 @@ class ServerArgs:
         "Where to run: auto picks cuda when available, else cpu.", choices=("auto", "cpu", "cuda")))
     context_length: Optional[int] = field(default=None, metadata=opt(
         "Maximum tokens per request (prompt + output). Default: the model's max_position_embeddings."))
-    trust_remote_code: bool = field(default=False, metadata=opt("Allow custom code from the model's hub repo."))
+    trust_remote_code: bool = field(default=False, metadata=opt(
+        "Let transformers run the target's own code (its repo's .py files, fetched with it) to read its config "
+        "and tokenizer; the network itself is spec's implementation of its architecture."))
     served_model_name: Optional[str] = field(default=None, metadata=opt(
         "Model name reported by the API. Default: the model path's last component."))
     random_seed: int = field(default=0, metadata=opt(
@@ -125,7 +127,8 @@ class ServerArgs:
         "what EAGLE-2's search ranks; with topk 1 exactly steps + 1).",
         flags=("--speculative-num-draft-tokens", "--draft-tokens"), group="Speculative decoding"))
     speculative_token_map: Optional[str] = field(default=None, metadata=opt(
-        "FR-Spec token map (torch.save'd list of token ids by frequency): restricts the draft lm_head.",
+        "FR-Spec token map (torch.save'd list of token ids by frequency): restricts the draft lm_head. A local "
+        "file, or a hub path org/repo/file.pt (as SGLang reads it).",
         group="Speculative decoding"))
     speculative_draft_model_quantization: Optional[str] = field(default=None, metadata=opt(
         "Weight quantization of the draft model (unquantized only on CPU; accepted for compatibility).",

@@ -94,8 +94,9 @@ class Engine:
                        "speculative_num_draft_tokens": None}
         if self.has_work:
             raise ConfigError("set_speculative runs between requests only; finish or abort the running ones first.")
-        args = dataclasses.replace(self.args, **changes).resolved(self.model_config)
-        from engine.build import build_worker
+        from engine.build import build_worker, resolve_args
+
+        args = resolve_args(dataclasses.replace(self.args, **changes), self.model_config)
         from engine.speculative.factory import uses_rejection
 
         key = _draft_key(args)
