@@ -261,7 +261,8 @@ class ServerArgs:
             topk = self.speculative_ngram_max_bfs_breadth
         if draft_tokens is None:
             cap = max_draft_tokens(steps, topk) if steps else 256
-            draft_tokens = cap if steps and topk == 1 else max(2, min(self.speculative_ngram_max_match_window_size, cap))
+            window = self.speculative_ngram_max_match_window_size
+            draft_tokens = cap if steps and topk == 1 else max(2, min(window, cap))
         if steps is None:
             steps = min(draft_tokens - 1, MAX_SPECULATIVE_STEPS)
         return steps, topk, draft_tokens

@@ -101,5 +101,6 @@ def test_guide_command_lines_parse_resolve_and_run(name, hub, served, fr_spec_ma
     assert (resolved.speculative_algorithm, resolved.speculative_tree) == (algorithm, tree)
     # The guide's memory flags size a GPU; a small pool runs the same configuration here.
     eng = Engine(server_args=dataclasses.replace(parsed, max_total_tokens=2048))
-    out = eng.generate(input_ids=list(range(10, 30)), sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+    out = eng.generate(input_ids=list(range(10, 30)),
+                       sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
     assert len(out["output_ids"]) == 8 and out["meta_info"]["spec_verify_ct"] > 0

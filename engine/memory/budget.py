@@ -86,9 +86,9 @@ class KVBudget:
         fits = int(0.9 * free_bytes) // self.bytes_per_token
         fraction = self.fraction_for(fits)
         lower = f"lower --mem-fraction-static to {fraction} or " if fraction is not None and self.fraction else ""
-        return ConfigError(f"Allocating the KV pool of {self.slots} tokens ({self.slots * self.bytes_per_token / 2**30:.2f} "
-                           f"GiB) ran out of memory with {free_bytes / 2**30:.2f} GiB free: {lower}pass "
-                           f"--max-total-tokens {fits}.")
+        size = self.slots * self.bytes_per_token / 2**30
+        return ConfigError(f"Allocating the KV pool of {self.slots} tokens ({size:.2f} GiB) ran out of memory with "
+                           f"{free_bytes / 2**30:.2f} GiB free: {lower}pass --max-total-tokens {fits}.")
 
     # ------------------------------------------------------------------ under load
     def request_too_large(self, full_length: int, tree: int) -> str:

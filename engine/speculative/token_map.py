@@ -39,7 +39,8 @@ def resolve_token_map(path: str) -> str:
         except LocalEntryNotFoundError:
             return hf_hub_download(repo, filename)
     except Exception as exc:  # no such repo or file; offline (LocalEntryNotFoundError), HTTP and connection errors
-        if isinstance(exc, (EntryNotFoundError, RepositoryNotFoundError)) and not isinstance(exc, LocalEntryNotFoundError):
+        missing = isinstance(exc, (EntryNotFoundError, RepositoryNotFoundError))
+        if missing and not isinstance(exc, LocalEntryNotFoundError):
             raise ConfigError(f"{where} is no local file, and the Hugging Face hub has no file {filename!r} in a "
                               f"repo {repo!r} ({type(exc).__name__}); pass a local file or an existing "
                               "org/repo/file path.") from None
