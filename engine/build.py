@@ -4,15 +4,15 @@ the KV memory budget, the KV manager, the worker and the scheduler."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import nn
 
-from engine.config import ServerArgs
-from engine.errors import ConfigError
+from engine.config import ServerArgs, model_max_positions
+from engine.memory.budget import KVBudget
 from engine.memory.kv_manager import KVManager
 from engine.memory.kv_pool import KVPool
 from engine.model_runner import ModelRunner, kv_layout
@@ -54,32 +54,47 @@ def eos_token_ids(model_dir: Path, config, tokenizer) -> list[int]:
     return flat
 
 
-def kv_budget_tokens(args: ServerArgs, device: str, weight_bytes: int, bytes_per_token: int) -> int:
-    """KV slots that fit --mem-fraction-static of the device's memory once the weights (target and
-    draft) are in, each slot holding the target's and the draft's K/V of one token."""
-    if args.max_total_tokens:
-        return args.max_total_tokens
+def device_memory(device: str) -> tuple[int, int]:
+    """(free, total) bytes of the device's memory, RAM on CPU."""
     if device == "cuda":
-        _, total = torch.cuda.mem_get_info()
-        fraction = args.mem_fraction_static or 0.88
-    else:
-        import psutil
+        return torch.cuda.mem_get_info()
+    import psutil
 
-        total = psutil.virtual_memory().total
-        fraction = args.mem_fraction_static or 0.3
-    budget = int(total * fraction) - weight_bytes
-    if budget < 64 * bytes_per_token:
-        raise ConfigError(
-            f"The weights take {weight_bytes / 2**30:.2f} GiB (draft included), leaving no KV cache within "
-            f"--mem-fraction-static {fraction} of {total / 2**30:.1f} GiB. Raise --mem-fraction-static "
-            "or pass --max-total-tokens.")
-    return budget // bytes_per_token
+    memory = psutil.virtual_memory()
+    return memory.available, memory.total
+
+
+def kv_budget(args: ServerArgs, device: str, weight_bytes: int, bytes_per_token: int) -> KVBudget:
+    """KV slots that fit --mem-fraction-static of the device's memory once the weights (target and
+    draft) are in, each slot holding the target's and the draft's K/V of one token; or --max-total-tokens."""
+    _, total = device_memory(device)
+    fraction = args.mem_fraction_static or (0.88 if device == "cuda" else 0.3)
+    budget = KVBudget.plan(args.max_total_tokens, fraction, total, weight_bytes, bytes_per_token,
+                           full_request_slots(args))
+    budget.warn_if_short(full_request_slots(args), args.context_length)
+    return budget
+
+
+def full_request_slots(args: ServerArgs) -> int:
+    """Slots one request of the whole context takes in its last step: its tokens and the tree verified."""
+    return args.context_length + (args.speculative_num_draft_tokens or 1)
 
 
 def model_bytes(model: Optional[nn.Module]) -> int:
     if model is None:
         return 0
     return getattr(model, "weight_bytes", None) or sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def resolve_args(args: ServerArgs, model_config) -> ServerArgs:
+    """`args` resolved against the target's config, a hub-style token map fetched: everything that can be
+    refused is, before any weight loads."""
+    from engine.speculative.token_map import resolve_token_map
+
+    args = args.resolved(model_config)
+    if args.speculative_token_map:
+        args = replace(args, speculative_token_map=resolve_token_map(args.speculative_token_map))
+    return args
 
 
 def build_engine_parts(args: ServerArgs) -> EngineParts:
@@ -89,10 +104,10 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     from engine.scheduler import Scheduler
     from engine.speculative.factory import load_draft_model
 
-    model_dir = resolve_model_path(args.model_path, args.revision)
+    model_dir = resolve_model_path(args.model_path, args.revision, args.trust_remote_code)
     config = load_config(model_dir, args.trust_remote_code)
-    max_pos = getattr(config, "max_position_embeddings", None) or 4096
-    args = args.resolved(config.model_type, max_pos)
+    max_pos = model_max_positions(config)
+    args = resolve_args(args, config)
     if args.context_length > max_pos:
         log.warning("--context-length %d exceeds the model's max_position_embeddings %d; outputs past it "
                     "may degrade", args.context_length, max_pos)
@@ -110,14 +125,19 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     per_token = KVPool.bytes_per_token(*kv_layout(target), dtype)
     if draft is not None:
         per_token += KVPool.bytes_per_token(*kv_layout(draft), dtype)
-    slots = kv_budget_tokens(args, device, model_bytes(target) + model_bytes(draft), per_token)
+    budget = kv_budget(args, device, model_bytes(target) + model_bytes(draft), per_token)
+    slots = budget.slots
     max_running = args.max_running_requests or (256 if device == "cuda" else 32)
-    kv = KVManager(slots, max_running + _SPARE_ROWS, max_positions + 1, device, radix=not args.disable_radix_cache)
+    kv = KVManager(slots, max_running + _SPARE_ROWS, max_positions + 1, device, radix=not args.disable_radix_cache,
+                   budget=budget)
     layers, heads, head_dim = kv_layout(target)
-    pool = KVPool(layers, slots, heads, head_dim, dtype, device)
-    runner = ModelRunner(target, pool, create_backend(args.attention_backend, device, pool))
     eos = eos_token_ids(model_dir, config, tokenizer)
-    worker = build_worker(args, runner, kv, eos, draft)
+    try:    # the target's K/V buffers, then the draft's (with its drafter)
+        pool = KVPool(layers, slots, heads, head_dim, dtype, device)
+        runner = ModelRunner(target, pool, create_backend(args.attention_backend, device, pool))
+        worker = build_worker(args, runner, kv, eos, draft)
+    except torch.OutOfMemoryError:
+        raise budget.allocation_failed(device_memory(device)[0]) from None
     from engine.graph_runner import attach
 
     # Model drafters verify full trees, one shape per batch size; n-gram trees vary and run eagerly.
@@ -126,8 +146,8 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
            tree_masks=model_draft and args.speculative_eagle_topk > 1)
     scheduler = Scheduler(args, kv, worker, tokenizer, eos, args.context_length, max_running, device)
     log.info("model %s: %s%s, %.0f MiB of weights%s; KV pool %d tokens (%.0f MiB)", model_dir, dtype,
-             f", {quantization} weights" if quantization else "", model_bytes(target) / 2**20, f" + {model_bytes(draft) / 2**20:.0f} MiB draft" if draft is not None else "",
-             slots, slots * per_token / 2**20)
+             f", {quantization} weights" if quantization else "", model_bytes(target) / 2**20,
+             f" + {model_bytes(draft) / 2**20:.0f} MiB draft" if draft is not None else "", slots, slots * per_token / 2**20)
     return EngineParts(args, model_dir, config, tokenizer, kv, runner, draft, scheduler, eos)
 
 

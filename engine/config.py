@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any, Optional
 
 from engine.errors import ConfigError
 
+log = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m"
 
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "MTP", "STANDALONE", "NGRAM")
@@ -31,11 +33,21 @@ AUTO_TREE_LLAMA = (5, 4, 8)
 AUTO_TREE_OTHER = (3, 1, 4)
 # The deepest draft a tree may have: positions run this far past the context length while verifying.
 MAX_SPECULATIVE_STEPS = 32
+_TREE_FIELDS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
 
 
-def opt(help: str, *, flags: tuple[str, ...] = (), group: str = "Model", choices: tuple[str, ...] = ()):
-    """Field metadata read by the CLI generator: help text, extra flag spellings, help group, choices."""
-    return {"help": help, "flags": flags, "group": group, "choices": choices}
+def max_draft_tokens(steps: int, topk: int) -> int:
+    """The most tokens (root included) a tree of `steps` x `topk` verifies: EAGLE-2's search ranks the
+    topk children of the root and, at each further depth, the topk children of each of topk frontier
+    nodes (draft_tree_search.py). With topk 1, the chain's steps + 1."""
+    return 1 + topk + (steps - 1) * topk * topk
+
+
+def opt(help: str, *, flags: tuple[str, ...] = (), hidden: tuple[str, ...] = (), group: str = "Model",
+        choices: tuple[str, ...] = ()):
+    """Field metadata read by the CLI generator: help text, extra flag spellings (`hidden` ones are
+    accepted but not listed in --help), help group, choices."""
+    return {"help": help, "flags": flags, "hidden": hidden, "group": group, "choices": choices}
 
 
 @dataclass(frozen=True)
@@ -62,7 +74,9 @@ class ServerArgs:
         "Where to run: auto picks cuda when available, else cpu.", choices=("auto", "cpu", "cuda")))
     context_length: Optional[int] = field(default=None, metadata=opt(
         "Maximum tokens per request (prompt + output). Default: the model's max_position_embeddings."))
-    trust_remote_code: bool = field(default=False, metadata=opt("Allow custom code from the model's hub repo."))
+    trust_remote_code: bool = field(default=False, metadata=opt(
+        "Let transformers run the target's own code (its repo's .py files, fetched with it) to read its config "
+        "and tokenizer; the network itself is spec's implementation of its architecture."))
     served_model_name: Optional[str] = field(default=None, metadata=opt(
         "Model name reported by the API. Default: the model path's last component."))
     random_seed: int = field(default=0, metadata=opt(
@@ -95,25 +109,32 @@ class ServerArgs:
 
     # --- Speculative decoding ----------------------------------------------------------------------
     speculative_algorithm: Optional[str] = field(default=None, metadata=opt(
-        "Speculative decoding algorithm (NEXTN is accepted as MTP). Unset: plain decoding.",
+        "Speculative decoding algorithm (NEXTN is accepted as MTP). EAGLE without a draft model on a target "
+        "with MTP layers (MiMo, DeepSeek-V3) drafts with them, as SGLang does. Unset: plain decoding.",
         flags=("--speculative-algorithm", "--algo"), group="Speculative decoding", choices=SPECULATIVE_ALGORITHMS))
     speculative_draft_model_path: Optional[str] = field(default=None, metadata=opt(
-        "Draft model for EAGLE, EAGLE3 and STANDALONE (same forms as --model); for MTP, an optional "
-        "nextn checkpoint (default: the target's own MTP layers).",
-        flags=("--speculative-draft-model-path", "--draft"), group="Speculative decoding"))
+        "Draft model for EAGLE, EAGLE3 and STANDALONE (same forms as --model); for MTP (and EAGLE on a "
+        "target with MTP layers), an optional nextn checkpoint (default: the target's own MTP layers).",
+        flags=("--speculative-draft-model-path", "--draft"), group="Speculative decoding",
+        # SGLang's alias, and what its guides write (an argparse prefix from when no other flag began so).
+        hidden=("--speculative-draft-model", "--speculative-draft")))
     speculative_draft_model_revision: Optional[str] = field(default=None, metadata=opt(
         "Hub revision of the draft model.", group="Speculative decoding"))
     speculative_num_steps: Optional[int] = field(default=None, metadata=opt(
-        "Draft depth: tokens drafted in sequence per step. Set all three tree flags or none (auto).",
+        "Draft depth: tokens drafted in sequence per step. Set all three tree flags or none (auto); NGRAM "
+        "takes any of them (the draft tokens alone, as in SGLang).",
         flags=("--speculative-num-steps", "--steps"), group="Speculative decoding"))
     speculative_eagle_topk: Optional[int] = field(default=None, metadata=opt(
-        "Branching: children kept per draft node per step (1 = a chain).",
+        "Branching: children kept per draft node per step (1 = a chain). NGRAM: a cap on the breadth flags' "
+        "children, --speculative-ngram-max-bfs-breadth when left out.",
         flags=("--speculative-eagle-topk", "--topk"), group="Speculative decoding"))
     speculative_num_draft_tokens: Optional[int] = field(default=None, metadata=opt(
-        "Tree size: tokens verified per step, including the root (at most steps*topk + 1).",
+        "Tree size: tokens verified per step, including the root (at most topk + (steps-1)*topk^2 + 1, "
+        "what EAGLE-2's search ranks; with topk 1 exactly steps + 1).",
         flags=("--speculative-num-draft-tokens", "--draft-tokens"), group="Speculative decoding"))
     speculative_token_map: Optional[str] = field(default=None, metadata=opt(
-        "FR-Spec token map (torch.save'd list of token ids by frequency): restricts the draft lm_head.",
+        "FR-Spec token map (torch.save'd list of token ids by frequency): restricts the draft lm_head. A local "
+        "file, or a hub path org/repo/file.pt (as SGLang reads it).",
         group="Speculative decoding"))
     speculative_draft_model_quantization: str = field(default="auto", metadata=opt(
         "Weight format of the draft model's layers, as --quantization (auto: a GGUF draft's own 4-bit "
@@ -132,9 +153,11 @@ class ServerArgs:
     speculative_ngram_max_match_window_size: int = field(default=12, metadata=opt(
         "NGRAM: longest suffix matched against the n-gram cache.", group="Speculative decoding"))
     speculative_ngram_min_bfs_breadth: int = field(default=1, metadata=opt(
-        "NGRAM: fewest candidates expanded per tree level.", group="Speculative decoding"))
+        "NGRAM: children per draft node after the longest match (the breadth falls with the match "
+        "length and the depth, as in SGLang).", group="Speculative decoding"))
     speculative_ngram_max_bfs_breadth: int = field(default=10, metadata=opt(
-        "NGRAM: most candidates expanded per tree level.", group="Speculative decoding"))
+        "NGRAM: children per draft node after the shortest match; also NGRAM's --speculative-eagle-topk "
+        "when that is left out.", group="Speculative decoding"))
     speculative_ngram_capacity: int = field(default=10_000_000, metadata=opt(
         "NGRAM: most n-gram entries kept (least recently used out).", group="Speculative decoding"))
 
@@ -210,48 +233,86 @@ class ServerArgs:
             raise ConfigError(f"Unknown --speculative-algorithm {self.speculative_algorithm!r}; "
                               f"choose one of {', '.join(SPECULATIVE_ALGORITHMS)} (NEXTN = MTP).")
         object.__setattr__(self, "speculative_algorithm", algo)
-        if algo in DRAFT_MODEL_ALGORITHMS and not self.speculative_draft_model_path:
+        # EAGLE without a draft may use the target's own MTP layers: resolved() decides, with the model config.
+        if algo in DRAFT_MODEL_ALGORITHMS and algo != "EAGLE" and not self.speculative_draft_model_path:
+            hint = (" (a target's MTP layers draft as --speculative-algorithm EAGLE or MTP; an EAGLE-3 head "
+                    "reads three target layers through its own fc, which MTP layers lack)" if algo == "EAGLE3" else "")
             raise ConfigError(f"--speculative-algorithm {algo} needs a draft model: pass "
-                              "--speculative-draft-model-path (alias --draft).")
-        if algo == "NGRAM" and self.speculative_draft_model_path:
-            raise ConfigError("NGRAM drafts from an n-gram cache and takes no draft model; drop --speculative-draft-model-path.")
+                              f"--speculative-draft-model-path (alias --draft){hint}.")
+        if algo == "NGRAM":
+            if self.speculative_draft_model_path:
+                raise ConfigError("NGRAM drafts from an n-gram cache and takes no draft model; drop "
+                                  "--speculative-draft-model-path.")
+            if self.speculative_token_map:
+                raise ConfigError("NGRAM has no draft lm_head for an FR-Spec token map to restrict; drop "
+                                  "--speculative-token-map.")
+            if self.speculative_sampling == "rejection":
+                raise ConfigError("--speculative-sampling rejection needs draft probabilities; NGRAM drafts are "
+                                  "deterministic: use tree (or auto).")
+            tree = self._ngram_tree(*tree)
+            for name, value in zip(_TREE_FIELDS, tree):
+                object.__setattr__(self, name, value)
         given = [v is not None for v in tree]
         if any(given) and not all(given):
             raise ConfigError("Set --speculative-num-steps, --speculative-eagle-topk and "
                               "--speculative-num-draft-tokens together, or none of them for the auto choice.")
-        if algo == "NGRAM" and self.speculative_sampling == "rejection":
-            raise ConfigError("--speculative-sampling rejection needs draft probabilities; NGRAM drafts are "
-                              "deterministic: use tree (or auto).")
         if all(given):
             self._check_tree(*tree)
+
+    def _ngram_tree(self, steps: Optional[int], topk: Optional[int],
+                    draft_tokens: Optional[int]) -> tuple[int, int, int]:
+        """NGRAM's tree with the flags left out filled as SGLang fills them: branching up to
+        --speculative-ngram-max-bfs-breadth, --speculative-ngram-max-match-window-size tokens; the depth
+        (SGLang's is bound only by its trie) as deep as the tree size allows."""
+        if topk is None:
+            topk = self.speculative_ngram_max_bfs_breadth
+        if draft_tokens is None:
+            cap = max_draft_tokens(steps, topk) if steps else 256
+            window = self.speculative_ngram_max_match_window_size
+            draft_tokens = cap if steps and topk == 1 else max(2, min(window, cap))
+        if steps is None:
+            steps = min(draft_tokens - 1, MAX_SPECULATIVE_STEPS)
+        return steps, topk, draft_tokens
 
     def _check_tree(self, steps: int, topk: int, draft_tokens: int) -> None:
         if topk == 1 and draft_tokens != steps + 1:
             raise ConfigError(f"With --speculative-eagle-topk 1 the draft is a chain: --speculative-num-draft-tokens "
                               f"must be steps + 1 = {steps + 1}, got {draft_tokens}.")
-        if draft_tokens > steps * topk + 1:
-            raise ConfigError(f"--speculative-num-draft-tokens {draft_tokens} is more than the tree can hold: "
-                              f"at most steps*topk + 1 = {steps * topk + 1}.")
-        if topk > 1 and self.speculative_sampling == "rejection":
-            raise ConfigError("--speculative-sampling rejection works on chains: set --speculative-eagle-topk 1, "
-                              "or use tree (or auto) for trees.")
         if steps > MAX_SPECULATIVE_STEPS or draft_tokens > 256:
             raise ConfigError(f"A tree of depth {steps} and {draft_tokens} tokens is far past any useful size "
                               f"(at most {MAX_SPECULATIVE_STEPS} steps and 256 draft tokens); typical trees are 3-8 "
                               "steps, 4-64 tokens.")
+        if draft_tokens > max_draft_tokens(steps, topk):
+            raise ConfigError(f"--speculative-num-draft-tokens {draft_tokens} is more than a tree of {steps} steps "
+                              f"and topk {topk} can hold: at most topk + (steps-1)*topk^2 + 1 = "
+                              f"{max_draft_tokens(steps, topk)}. Raise --speculative-num-steps or "
+                              "--speculative-eagle-topk, or lower --speculative-num-draft-tokens.")
+        if topk > 1 and self.speculative_sampling == "rejection":
+            raise ConfigError("--speculative-sampling rejection works on chains: set --speculative-eagle-topk 1, "
+                              "or use tree (or auto) for trees.")
         if draft_tokens < 2:
             raise ConfigError("--speculative-num-draft-tokens must be at least 2 (the root and one draft token).")
 
     # ---------------------------------------------------------------------------------------------
-    def resolved(self, model_type: str, max_position_embeddings: int) -> "ServerArgs":
-        """A copy with the auto choices that depend on the target model filled in (before any weight loads)."""
+    def resolved(self, model_config) -> "ServerArgs":
+        """A copy with the choices that depend on the target model (its transformers config) made, before
+        any weight loads: the context length, EAGLE without a draft (the target's own MTP layers, as
+        SGLang does), and the auto tree."""
         changes: dict[str, Any] = {}
         if self.context_length is None:
-            changes["context_length"] = max_position_embeddings
+            changes["context_length"] = model_max_positions(model_config)
+        if self.speculative_algorithm == "EAGLE" and not self.speculative_draft_model_path:
+            layers = getattr(model_config, "num_nextn_predict_layers", None) or 0
+            if not layers:
+                raise ConfigError("--speculative-algorithm EAGLE needs a draft model: pass "
+                                  "--speculative-draft-model-path (alias --draft). Without one it drafts with the "
+                                  "target's own MTP layers, but this target has none (no num_nextn_predict_layers "
+                                  "in its config.json).")
+            log.info("EAGLE without a draft model: drafting with the target's %d MTP layer(s), as MTP", layers)
+            changes["speculative_algorithm"] = "MTP"
         if self.speculative_algorithm and self.speculative_num_steps is None:
-            llama = model_type in ("llama", "mistral")
-            changes.update(zip(("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"),
-                               AUTO_TREE_LLAMA if llama else AUTO_TREE_OTHER))
+            llama = model_config.model_type in ("llama", "mistral")
+            changes.update(zip(_TREE_FIELDS, AUTO_TREE_LLAMA if llama else AUTO_TREE_OTHER))
         return dataclasses.replace(self, **changes) if changes else self
 
     def prefill_chunk(self, device: str) -> int:
@@ -318,9 +379,14 @@ _FIELDS = {f.name: f for f in dataclasses.fields(ServerArgs)}
 _ALIASES = {
     flag.lstrip("-").replace("-", "_"): f.name
     for f in dataclasses.fields(ServerArgs)
-    for flag in f.metadata.get("flags", ())
+    for flag in (*f.metadata.get("flags", ()), *f.metadata.get("hidden", ()))
     if flag.startswith("--")
 }
+
+
+def model_max_positions(model_config) -> int:
+    """The positions the target was trained for (4096 when its config does not say)."""
+    return getattr(model_config, "max_position_embeddings", None) or 4096
 
 
 def _flag(name: str) -> str:

@@ -94,10 +94,10 @@ class Engine:
                        "speculative_num_draft_tokens": None}
         if self.has_work:
             raise ConfigError("set_speculative runs between requests only; finish or abort the running ones first.")
-        max_pos = getattr(self.model_config, "max_position_embeddings", None) or 4096
-        args = dataclasses.replace(self.args, **changes).resolved(self.model_config.model_type, max_pos)
-        from engine.build import build_worker
+        from engine.build import build_worker, resolve_args
         from engine.speculative.factory import uses_rejection
+
+        args = resolve_args(dataclasses.replace(self.args, **changes), self.model_config)
 
         key = _draft_key(args)
         drafter = self._drafters.get(key)
@@ -145,11 +145,12 @@ class Engine:
             raise RequestError(f"The prompt has {len(prompt_ids)} tokens but the context length is {context}; "
                                "shorten the prompt (or raise --context-length if the model allows).")
         # Alone in the KV pool a request may hold it all but one step's transient slots (a draft tree).
-        room = self.kv_capacity - self._scheduler.worker.slots_per_request
+        tree = self._scheduler.worker.slots_per_request
+        room = self.kv_capacity - tree
         if len(prompt_ids) >= room:
-            raise RequestError(f"The prompt has {len(prompt_ids)} tokens but the KV cache holds {self.kv_capacity} "
-                               f"(of which a step needs {self.kv_capacity - room}); shorten the prompt, or start the "
-                               "server with a larger --max-total-tokens or --mem-fraction-static.")
+            full = min(len(prompt_ids) + params.max_new_tokens, context)
+            raise RequestError(self._kv.budget.request_too_large(full, tree).replace(
+                "out of KV cache: the request", f"The prompt ({len(prompt_ids)} tokens) cannot be served: it", 1))
         # What cannot fit is known now: max_new_tokens is clamped, and the answer ends with "length".
         params.max_new_tokens = min(params.max_new_tokens, context - len(prompt_ids), room - len(prompt_ids))
         seed = params.seed if params.seed is not None else self.args.random_seed * 1_000_003 + next(self._seeds)

@@ -75,9 +75,12 @@ class Scheduler:
         self.waiting.append(req)
 
     def _abort_oom(self, req: Request) -> None:
-        self._finish(req, FinishReason("abort", status_code=503, message=(
-            f"out of KV cache: the request needs {req.seq_len + 1} token slots and the KV pool holds "
-            f"{self.kv.capacity}; raise --max-total-tokens or --mem-fraction-static")))
+        message = self.kv.budget.request_too_large(self._full_length(req), self.worker.slots_per_request)
+        self._finish(req, FinishReason("abort", status_code=503, message=message))
+
+    def _full_length(self, req: Request) -> int:
+        """The tokens a request holds when done (for out-of-memory advice)."""
+        return min(req.seq_len + req.remaining_tokens(), self.context_len)
 
     def abort(self, rid: str, message: str = "aborted by the client", status_code: Optional[int] = None
               ) -> Optional[Request]:
@@ -190,6 +193,10 @@ class Scheduler:
     # ------------------------------------------------------------------ decode
     def _run_decode(self) -> list[Request]:
         per_req = self.worker.slots_per_request
+        if len(self.running) > 1 and self.kv.available() < per_req * len(self.running):
+            wanting = (self.running + list(self.waiting))[:self.max_running]
+            self.kv.budget.retracting(len(self.running), per_req, self.kv.available(),
+                                      [self._full_length(r) for r in wanting])
         while self.kv.available() < per_req * len(self.running):
             if self.prefilling is not None:
                 self._retract(self.prefilling)          # a half-prefilled prompt loses least

@@ -37,6 +37,9 @@ EXTRA_CHOICES: dict[str, tuple[str, ...]] = {"speculative_algorithm": tuple(SPEC
 
 FIELDS: tuple[dataclasses.Field, ...] = tuple(dataclasses.fields(ServerArgs))
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
+# Spellings accepted on the command line but not listed in --help (spec_cli/prefixes.py reads them).
+HIDDEN_FLAGS: dict[str, str] = {hidden: "--" + f.name.replace("_", "-")
+                                for f in FIELDS for hidden in f.metadata.get("hidden", ())}
 _HINTS = typing.get_type_hints(ServerArgs)
 _CONFIG = "config"
 _CONTEXT = "spec_cli_context__"  # injected by Typer; never a flag

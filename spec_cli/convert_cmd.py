@@ -14,8 +14,9 @@ from rich.console import Console
 from rich.table import Table
 
 from spec_cli.errors import fail, reports_user_errors
+from spec_cli.prefixes import PrefixGroup
 
-convert_app = typer.Typer(no_args_is_help=True, rich_markup_mode="rich",
+convert_app = typer.Typer(no_args_is_help=True, rich_markup_mode="rich", cls=PrefixGroup,
                           context_settings={"help_option_names": ["-h", "--help"]})
 HELP = "Prepare speculative decoding inputs: FR-Spec token maps, EAGLE / EAGLE-3 drafts, and EAGLE-3 heads trained here."
 

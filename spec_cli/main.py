@@ -21,10 +21,12 @@ from spec_cli.bench_cmd import bench
 from spec_cli.convert_cmd import HELP as CONVERT_HELP
 from spec_cli.convert_cmd import convert_app
 from spec_cli.errors import fail, reports_user_errors
+from spec_cli.prefixes import PrefixGroup
 from spec_cli.tune_cmd import tune
 
 app = typer.Typer(
     name="spec",
+    cls=PrefixGroup,
     no_args_is_help=True,
     rich_markup_mode="rich",
     context_settings={"help_option_names": ["-h", "--help"]},

@@ -40,7 +40,7 @@ SearchSteps = _grid("--search-steps", "Draft depths to try (--speculative-num-st
 SearchTopk = _grid("--search-topk", "Branching factors to try (--speculative-eagle-topk); 1 is a chain of steps + 1 "
                                     "tokens.")
 SearchDraftTokens = _grid("--search-draft-tokens", "Tree sizes to try for topk > 1 (--speculative-num-draft-tokens); "
-                                                   "impossible ones (> steps*topk + 1) are skipped.")
+                                                   "impossible ones (> topk + (steps-1)*topk^2 + 1) are skipped.")
 BatchSizes = _grid("--batch-sizes", "Batch sizes to tune for, each searched separately; the best config sets "
                                     "--max-running-requests and --cuda-graph-max-bs to it.")
 

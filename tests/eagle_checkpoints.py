@@ -167,8 +167,9 @@ def exact_eagle_tensors(target_dir: Path) -> tuple[dict, dict[str, torch.Tensor]
 #   attention still: q/k/v biases only), num_nextn_predict_layers; weights model.mtp_layers.0.
 #   {token_layernorm, hidden_layernorm, input_proj, input_layernorm, self_attn.{q,k,v,o}_proj (+ q/k/v
 #   biases), post_attention_layernorm, mlp.*, final_layernorm}.
-# - DeepSeek-style nextn on a Llama: num_nextn_predict_layers; weights model.layers.{L}.{enorm, hnorm,
-#   eh_proj, <decoder layer>, shared_head.norm} plus copies of embed_tokens and shared_head.head.
+# - DeepSeek-style nextn on a Llama or a DeepSeek-V3 (its decoder layer MLA + MoE): num_nextn_predict_layers;
+#   weights model.layers.{L}.{enorm, hnorm, eh_proj, <decoder layer>, shared_head.norm} plus copies of
+#   embed_tokens and shared_head.head.
 # Names of (token norm, feature norm, projection, final norm); the projection reads [feature; token]
 # for MiMo and [token; feature] for nextn.
 MTP_NAMES = {"mimo": ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm"),
@@ -182,7 +183,8 @@ def mtp_layer_tensors(config: dict, prefix: str, layout: str, seed: int = 0,
     gen = torch.Generator().manual_seed(seed)
     h = config["hidden_size"]
     token_norm, feature_norm, proj, final_norm = MTP_NAMES[layout]
-    tensors = _attention_mlp(prefix, config, h, gen)
+    deepseek = config.get("model_type") == "deepseek_v3"
+    tensors = _deepseek_layer(config, prefix, seed) if deepseek else _attention_mlp(prefix, config, h, gen)
     for name in ("input_layernorm", token_norm, feature_norm, final_norm):
         tensors[f"{prefix}.{name}.weight"] = 1 + torch.randn(h, generator=gen) * _STD
     tensors[f"{prefix}.{proj}.weight"] = torch.randn(h, 2 * h, generator=gen) * _STD
@@ -201,8 +203,32 @@ def mtp_layer_tensors(config: dict, prefix: str, layout: str, seed: int = 0,
     return tensors
 
 
+def _deepseek_layer(config: dict, prefix: str, seed: int) -> dict[str, torch.Tensor]:
+    """A random DeepSeek-V3 decoder layer of index num_hidden_layers (MLA; MoE past first_k_dense_replace),
+    one tensor per expert as checkpoints store them (transformers keeps them stacked in memory)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    torch.manual_seed(seed)
+    layer = DeepseekV3DecoderLayer(DeepseekV3Config.from_dict(config), config["num_hidden_layers"])
+    tensors = {}
+    for name, t in layer.state_dict().items():
+        t = t.detach().clone()
+        if t.dim() >= 2:
+            t.normal_(0.0, _STD)
+        if name == "mlp.experts.gate_up_proj":
+            for e, w in enumerate(t):
+                tensors[f"mlp.experts.{e}.gate_proj.weight"], tensors[f"mlp.experts.{e}.up_proj.weight"] = w.chunk(2)
+        elif name == "mlp.experts.down_proj":
+            tensors.update({f"mlp.experts.{e}.down_proj.weight": w for e, w in enumerate(t)})
+        else:
+            tensors[name] = t.normal_(0.0, 0.1) if name.endswith("e_score_correction_bias") else t
+    return {f"{prefix}.{name}": t.contiguous() for name, t in tensors.items()}
+
+
 def save_mtp_target(path: Path, base_dir: Path, layout: str, seed: int = 0, exact: bool = False) -> Path:
-    """A copy of the tiny target `base_dir` (qwen2 for "mimo", llama for "nextn") with one MTP layer."""
+    """A copy of the tiny target `base_dir` (qwen2 for "mimo", llama or deepseek_v3 for "nextn") with one MTP
+    layer."""
     import shutil
 
     from safetensors.torch import save_file
@@ -228,7 +254,8 @@ def save_nextn_export(path: Path, target_dir: Path, mla: bool = False) -> Path:
     """SGLang's export_deepseek_nextn.py layout of a nextn target's layer: config num_hidden_layers 1, the
     layer renamed model.layers.0 without its embed_tokens and shared_head.head, in
     nextn_layer_parameters.safetensors listed by model.safetensors.index.json. `mla`: k/v projections
-    replaced by DeepSeek's MLA ones (kv_a_proj_with_mqa, kv_b_proj)."""
+    replaced by DeepSeek's MLA ones (kv_a_proj_with_mqa, kv_b_proj): weights of another family than the
+    config says."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -241,7 +268,7 @@ def save_nextn_export(path: Path, target_dir: Path, mla: bool = False) -> Path:
         del layer["model.layers.0.self_attn.k_proj.weight"], layer["model.layers.0.self_attn.v_proj.weight"]
         layer["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] = torch.zeros(24, config["hidden_size"])
         layer["model.layers.0.self_attn.kv_b_proj.weight"] = torch.zeros(64, 16)
-    config.update(num_hidden_layers=1, architectures=["LlamaForCausalLMNextN"])
+    config.update(num_hidden_layers=1, architectures=[config["architectures"][0] + "NextN"])
     (path / "config.json").write_text(json.dumps(config, indent=2))
     save_file(layer, str(path / "nextn_layer_parameters.safetensors"), metadata={"format": "pt"})
     index = {"weight_map": {name: "nextn_layer_parameters.safetensors" for name in layer}}

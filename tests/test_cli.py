@@ -126,9 +126,40 @@ def test_bad_value_exits_2_without_traceback(served, args, needle):
 
 
 def test_bad_combination_is_one_line_before_anything_loads(served):
-    line = assert_user_error(run("serve", "--algo", "EAGLE"), "--speculative-algorithm EAGLE", "--draft")
+    line = assert_user_error(run("serve", "--algo", "EAGLE3"), "--speculative-algorithm EAGLE3", "--draft")
     assert "draft model" in line
     assert not served
+
+
+# --- prefixes of long options, as argparse takes them ------------------------------------------------
+
+@pytest.mark.parametrize("args, field, value", [
+    (["--speculative-algo", "NGRAM"], "speculative_algorithm", "NGRAM"),                 # SGLang's guides
+    (["--speculative-draft", "d", "--speculative-algo", "EAGLE3"], "speculative_draft_model_path", "d"),
+    (["--speculative-draft-model", "d", "--algo", "EAGLE3"], "speculative_draft_model_path", "d"),
+    (["--mem-frac", "0.5"], "mem_fraction_static", 0.5),             # two spellings of one option: not ambiguous
+    (["--max-run=7"], "max_running_requests", 7),
+    (["--disable-radix"], "disable_radix_cache", True),
+    (["--api-key", "--speculative-n"], "api_key", "--speculative-n"),      # a value is never expanded
+    (["--model", "m"], "model_path", "m"),                          # an exact name wins over longer ones
+])
+def test_unambiguous_prefixes_are_accepted(served, args, field, value):
+    result = run("serve", *args)
+    assert result.exit_code == 0, result.output
+    assert getattr(served[0], field) == value
+
+
+def test_ambiguous_prefix_lists_the_candidates(served):
+    line = assert_user_error(run("serve", "--speculative-num", "3"), "--speculative-num is ambiguous",
+                             "--speculative-num-steps", "--speculative-num-draft-tokens")
+    assert "--speculative-ngram" not in line
+    assert not served
+
+
+def test_prefixes_reach_groups_and_subcommands():
+    assert run("--vers").output.strip().startswith("spec ")
+    result = run("convert", "token-map", "--he")
+    assert result.exit_code == 0 and "--size" in result.output
 
 
 # --- --config -------------------------------------------------------------------------------------

@@ -8,13 +8,49 @@ from engine.config import ServerArgs
 from engine.errors import ConfigError
 
 
+def model_config(model_type="llama", max_pos=2048, **extra):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(model_type=model_type, max_position_embeddings=max_pos, **extra)
+
+
 def test_auto_tree_depends_on_target_family():
-    args = ServerArgs(speculative_algorithm="NGRAM")
-    llama = args.resolved("llama", 2048)
+    args = ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path="d")
+    llama = args.resolved(model_config("llama", 2048))
     assert llama.speculative_tree == (5, 4, 8) and llama.context_length == 2048
     assert args.speculative_tree == (None, None, None) and args.context_length is None    # unchanged
-    qwen = args.resolved("qwen2", 4096)
+    qwen = args.resolved(model_config("qwen2", 4096))
     assert qwen.speculative_tree == (3, 1, 4)
+
+
+def test_ngram_tree_is_sized_as_sglang_sizes_it():
+    """NGRAM's branching is --speculative-ngram-max-bfs-breadth and its size the max match window when
+    left out; the draft tokens may be given alone (SGLang's NGRAM example)."""
+    assert ServerArgs(speculative_algorithm="NGRAM").speculative_tree == (11, 10, 12)
+    assert ServerArgs(speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=1).speculative_tree == (11, 1, 12)
+    assert ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=16).speculative_tree == (15, 10, 16)
+    assert ServerArgs(speculative_algorithm="NGRAM", speculative_num_steps=3,
+                      speculative_eagle_topk=1).speculative_tree == (3, 1, 4)
+    assert ServerArgs(speculative_algorithm="NGRAM").resolved(model_config("llama")).speculative_tree == (11, 10, 12)
+
+
+@pytest.mark.parametrize("tree", [(3, 4, 16), (5, 8, 32), (5, 8, 64), (2, 3, 13), (4, 1, 5)])
+def test_trees_up_to_what_the_search_ranks_are_accepted(tree):
+    """EAGLE-2 ranks topk + (steps-1)*topk^2 candidates: SGLang's guide trees fit, and the largest too."""
+    steps, topk, tokens = tree
+    args = ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="d", speculative_num_steps=steps,
+                      speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)
+    assert args.speculative_tree == tree
+
+
+def test_eagle_without_a_draft_uses_the_targets_mtp_layers():
+    args = ServerArgs(speculative_algorithm="EAGLE")          # the flags alone cannot tell: accepted
+    mimo = args.resolved(model_config("mimo", num_nextn_predict_layers=1))
+    assert mimo.speculative_algorithm == "MTP" and mimo.speculative_tree == (3, 1, 4)
+    with pytest.raises(ConfigError, match="needs a draft model.*has none"):
+        args.resolved(model_config("qwen2"))
+    with_draft = ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="d")
+    assert with_draft.resolved(model_config("mimo", num_nextn_predict_layers=1)).speculative_algorithm == "EAGLE"
 
 
 def test_server_args_are_immutable():
@@ -30,11 +66,14 @@ def test_nextn_is_mtp_and_case_insensitive():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"speculative_algorithm": "EAGLE"}, "needs a draft model"),
+    ({"speculative_algorithm": "EAGLE3"}, "needs a draft model.*MTP layers lack"),
+    ({"speculative_algorithm": "STANDALONE"}, "needs a draft model"),
     ({"speculative_algorithm": "MEDUSA"}, "Unknown --speculative-algorithm"),
-    ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3}, "together"),
+    ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "d", "speculative_num_steps": 3}, "together"),
     ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3, "speculative_eagle_topk": 2,
-      "speculative_num_draft_tokens": 8}, "at most steps\\*topk \\+ 1 = 7"),
+      "speculative_num_draft_tokens": 12}, "can hold: at most topk \\+ \\(steps-1\\)\\*topk\\^2 \\+ 1 = 11"),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 300}, "far past"),
+    ({"speculative_algorithm": "NGRAM", "speculative_token_map": "m.pt"}, "drop --speculative-token-map"),
     ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
       "speculative_num_draft_tokens": 3}, "must be steps \\+ 1 = 4"),
     ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "x"}, "takes no draft model"),

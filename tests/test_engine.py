@@ -104,7 +104,7 @@ def test_what_cannot_fit_the_pool_is_known_at_admission(llama_dir):
     """A prompt the KV pool cannot hold is refused at once; max_new_tokens beyond what fits is clamped
     and the answer ends with "length" (not after minutes, not an abort)."""
     eng = engine(llama_dir, max_total_tokens=30)
-    with pytest.raises(RequestError, match="KV cache holds 30.*--max-total-tokens"):
+    with pytest.raises(RequestError, match="KV pool holds 30: raise --max-total-tokens to 65"):
         eng.generate(input_ids=prompts(1, seed=7, lo=40, hi=41)[0], sampling_params=GREEDY)
     out = eng.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 100})
     assert out["meta_info"]["finish_reason"]["type"] == "length" and len(out["output_ids"]) == 30 - 1 - 3

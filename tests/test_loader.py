@@ -183,6 +183,46 @@ def test_hub_unreachable_suggests_alternatives(tmp_path, monkeypatch):
     assert all(name in message for name in KNOWN_MODELS)
 
 
+def _custom_code_model(model_dir: Path) -> Path:
+    """The tiny model with its config class in the repo's own code (auto_map), as custom-code models ship."""
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(model_type="tiny_custom", auto_map={"AutoConfig": "configuration_tiny.TinyConfig"})
+    (model_dir / "config.json").write_text(json.dumps(config))
+    (model_dir / "configuration_tiny.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass TinyConfig(LlamaConfig):\n    model_type = 'tiny_custom'\n")
+    return model_dir
+
+
+def test_trust_remote_code_reaches_the_targets_config(model_dir):
+    """The target's own config code runs only with --trust-remote-code, which build passes on."""
+    from engine import Engine
+
+    path = str(_custom_code_model(model_dir))
+    with pytest.raises(ModelLoadError, match="--trust-remote-code"):
+        Engine(model_path=path, dtype="float32", max_total_tokens=256)
+    eng = Engine(model_path=path, dtype="float32", max_total_tokens=256, trust_remote_code=True)
+    assert eng.model_config.model_type == "tiny_custom"
+    assert len(eng.generate(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 2})["output_ids"]) == 2
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_hub_download_fetches_the_repos_code_only_when_trusted(model_dir, monkeypatch, trust):
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    patterns = []
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None, local_files_only=False):
+        if local_files_only:
+            raise LocalEntryNotFoundError("not cached")
+        patterns.append(allow_patterns)
+        return str(model_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert resolve_model_path("org/custom", trust_remote_code=trust) == model_dir.resolve()
+    assert ("*.py" in patterns[0]) == trust and "*.safetensors" in patterns[0]
+
+
 def test_unknown_known_name_lists_names():
     with pytest.raises(ModelLoadError) as err:
         fetch_model("llama-9000")

@@ -175,11 +175,23 @@ def test_well_predicting_mtp_layer_is_accepted(tmp_path, layout):
     assert all(o["meta_info"]["spec_verify_ct"] == 8 for o in outs)
 
 
+def test_eagle_without_a_draft_runs_the_targets_mtp_layers(models, expected):
+    """SGLang's MiMo-7B-RL example: --speculative-algorithm EAGLE, steps 1, topk 1, 2 draft tokens, no draft."""
+    batch, outputs = expected
+    eng = engine(models["mimo"][1], "EAGLE", tree=(1, 1, 2))
+    assert eng.args.speculative_algorithm == "MTP" and isinstance(eng._scheduler.worker.drafter.model, MtpDraft)
+    outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == outputs["mimo"]
+    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
+
+
 # ------------------------------------------------------------------------------------------------ refusals
 def test_target_without_mtp_layers_is_refused(models):
     base = models["mimo"][0]
     with pytest.raises(ConfigError, match="has no MTP layers.*--speculative-draft-model-path.*EAGLE.*NGRAM"):
         engine(base, "MTP")
+    with pytest.raises(ConfigError, match="EAGLE needs a draft model.*this target has none"):
+        engine(base, "EAGLE")
 
 
 def test_bad_mtp_checkpoints_are_refused(models, tmp_path):
@@ -189,8 +201,8 @@ def test_bad_mtp_checkpoints_are_refused(models, tmp_path):
     def load(path, own=False):
         return load_mtp_draft(path, target, own=own, max_positions=600, dtype=torch.float32, device="cpu")
 
-    with pytest.raises(ConfigError, match="MLA attention.*kv_a_proj_with_mqa"):
-        load(ckpt.save_nextn_export(tmp_path / "mla", mtp_dir, mla=True))
+    with pytest.raises(ModelLoadError, match="unexpected weight 'layer.self_attn.kv_a_proj_with_mqa.weight'"):
+        load(ckpt.save_nextn_export(tmp_path / "mla", mtp_dir, mla=True))     # MLA weights, a Llama config
     with pytest.raises(ConfigError, match="has no MTP layers.*--speculative-algorithm EAGLE"):
         load(ckpt.save_eagle_repo(tmp_path / "eagle", *ckpt.eagle_tensors(base)))
     with pytest.raises(ConfigError, match="hidden_size 32 but the target has 64"):

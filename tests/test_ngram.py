@@ -87,23 +87,23 @@ def test_follower_cap_drops_least_frequent_oldest():
 
 # ------------------------------------------------------------------ the trees
 def test_no_match_gives_root_alone():
-    tree = ngram_tree(cache(), [4, 5, 6], steps=4, budget=7, breadth=lambda n: 3)
+    tree = ngram_tree(cache(), [4, 5, 6], steps=4, budget=7, breadth=lambda n, d: 3)
     assert tree.tokens == [6] and tree.parents == [-1]
 
 
 def test_certain_continuation_drafts_a_full_chain():
     c = cache()
     c.learn([10, 11, 12, 13, 14, 15, 16, 17], 0)
-    tree = ngram_tree(c, [9, 10, 11], steps=4, budget=7, breadth=lambda n: 3)
+    tree = ngram_tree(c, [9, 10, 11], steps=4, budget=7, breadth=lambda n, d: 3)
     assert tree.tokens == [11, 12, 13, 14, 15] and tree.is_chain
 
 
 def test_children_ordered_by_frequency_then_recency():
     c = cache(max_window=1)
     c.learn([5, 1, 5, 2, 5, 1, 5, 3], 0)     # after 5: 1 twice, 2 once, 3 once (most recent)
-    tree = ngram_tree(c, [5], steps=1, budget=3, breadth=lambda n: 3)
+    tree = ngram_tree(c, [5], steps=1, budget=3, breadth=lambda n, d: 3)
     assert [t for t, p in zip(tree.tokens, tree.parents) if p == 0] == [1, 3, 2]
-    narrow = ngram_tree(c, [5], steps=1, budget=3, breadth=lambda n: 2)
+    narrow = ngram_tree(c, [5], steps=1, budget=3, breadth=lambda n, d: 2)
     assert narrow.tokens == [5, 1, 3]
 
 
@@ -111,7 +111,7 @@ def test_budget_keeps_the_most_probable_paths():
     c = cache(max_window=2)
     # After 0: 1 three times (always followed by 2, then 3), 4 once (followed by 9).
     c.learn([0, 1, 2, 3, 0, 1, 2, 3, 0, 4, 9, 7, 0, 1, 2, 3], 0)
-    tree = ngram_tree(c, [0], steps=3, budget=3, breadth=lambda n: 2)
+    tree = ngram_tree(c, [0], steps=3, budget=3, breadth=lambda n, d: 2)
     assert tree.tokens == [0, 1, 2, 3] and tree.is_chain  # p = .75 each, over 4's .25
 
 
@@ -122,27 +122,52 @@ def test_tree_respects_budget_depth_and_breadth(steps, budget, width):
     c.learn([rng.randrange(6) for _ in range(3000)], 0)
     for _ in range(50):
         context = [rng.randrange(6) for _ in range(6)]
-        tree = ngram_tree(c, context, steps, budget, breadth=lambda n: width)
+        tree = ngram_tree(c, context, steps, budget, breadth=lambda n, d: width)
         assert tree.tokens[0] == context[-1]
         assert 1 < len(tree) <= budget + 1 and max(tree.depths) <= steps
-        per_level = [tree.depths.count(d) for d in range(1, steps + 1)]
-        assert max(per_level) <= width
+        assert tree.max_children <= width
         for node in range(1, len(tree)):
             path = [tree.tokens[i] for i in tree.path_to(node)]
             assert c.match(context + path[1:-1])[1].get(path[-1]), "each child is a seen follower"
 
 
-def test_breadth_narrows_with_match_length_within_bounds_and_topk():
+def test_wide_tree_fills_the_largest_size_its_flags_allow():
+    """(3, 4, 16) verifies 16 tokens, more than steps * topk + 1: each node has its own children, so a
+    varied cache fills the whole budget, and the breadth per depth (4, 3, 2 here) bounds each node."""
+    rng = random.Random(1)
+    c = cache(max_window=2)
+    c.learn([rng.randrange(6) for _ in range(5000)], 0)
+    widths = {0: 4, 1: 3, 2: 2}
+    tree = ngram_tree(c, [1, 2], steps=3, budget=15, breadth=lambda n, d: widths[d])
+    assert len(tree) == 16
+    children = [[i for i, p in enumerate(tree.parents) if p == node] for node in range(len(tree))]
+    assert all(len(kids) <= widths[tree.depths[node]] for node, kids in enumerate(children))
+
+
+def test_breadth_narrows_with_match_length_and_depth_within_bounds_and_topk():
     w = worker(topk=5, steps=4, draft_tokens=8, speculative_ngram_min_bfs_breadth=2,
                speculative_ngram_max_bfs_breadth=8, speculative_ngram_min_match_window_size=1,
                speculative_ngram_max_match_window_size=7)
-    widths = [w.breadth(n) for n in range(1, 8)]
+    widths = [w.breadth(n, 0) for n in range(1, 8)]
     assert widths == sorted(widths, reverse=True)
     assert widths[0] == 5 and widths[-1] == 2                # topk caps the widest; min_bfs the narrowest
+    deeper = [w.breadth(4, d) for d in range(6)]
+    assert deeper == sorted(deeper, reverse=True) and deeper[-1] == 1     # a step less per level, at least 1
     uncapped = worker(topk=10, steps=4, draft_tokens=8, speculative_ngram_max_match_window_size=7)
-    assert uncapped.breadth(1) == 10 and uncapped.breadth(7) == 1
+    assert uncapped.breadth(1, 0) == 8 and uncapped.breadth(7, 0) == 1
     chain = worker(topk=1, steps=4, draft_tokens=5)
-    assert all(chain.breadth(n) == 1 for n in range(1, 13))
+    assert all(chain.breadth(n, d) == 1 for n in range(1, 13) for d in range(4))
+
+
+def test_breadth_flags_act_without_tree_flags():
+    """As in SGLang: with the tree flags left out (or the draft tokens alone, the guide's NGRAM example)
+    the branching is --speculative-ngram-max-bfs-breadth, whatever the target's family."""
+    args = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=16,
+                      speculative_ngram_max_bfs_breadth=6)
+    assert args.speculative_tree == (15, 6, 16)
+    w = NgramDrafter(args, "cpu")
+    assert w.breadth(1, 0) == 5 and w.breadth(12, 0) == 1
+    assert ServerArgs(speculative_algorithm="NGRAM").speculative_tree == (11, 10, 12)
 
 
 # ------------------------------------------------------------------ the worker's state

@@ -15,11 +15,12 @@ from scipy.stats import chisquare
 
 from engine import Engine
 from engine.sampling_params import SamplingParams
-from tests.tiny import make_model, target_probs
+from tests.tiny import make_deepseek_v3, make_model, target_probs
 
 GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
-# (steps, topk, draft tokens): chains, small and wide trees, a deep one, the largest.
-SHAPES = [(1, 1, 2), (3, 1, 4), (7, 1, 8), (2, 2, 4), (3, 4, 8), (5, 8, 32), (7, 8, 56), (8, 8, 64)]
+# (steps, topk, draft tokens): chains, small trees, wide ones past steps*topk + 1 (SGLang's guide's
+# (3, 4, 16) and (5, 8, 64): EAGLE-2 ranks topk + (steps-1)*topk^2 candidates), a deep one.
+SHAPES = [(1, 1, 2), (3, 1, 4), (7, 1, 8), (2, 2, 4), (3, 4, 8), (3, 4, 16), (5, 8, 32), (5, 8, 64), (8, 8, 64)]
 
 
 def draft_setup(algo: str, target_dir, tmp_path, vocab: int = 320) -> dict:
@@ -113,6 +114,42 @@ def test_stop_inside_accepted_run_is_not_passed(algo, target, tmp_path, plain_ou
         stop = ref[cut]
         out = eng.generate(input_ids=p, sampling_params={**GREEDY, "stop_token_ids": [stop]})
         assert out["output_ids"] == ref[:ref.index(stop) + 1]
+
+
+# ---------------------------------------------------------------------------------------- DeepSeek-V3
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """A tiny DeepSeek-V3 target (MLA, MoE) with its nextn layer (MLA, MoE too), SGLang's export of that
+    layer as a separate checkpoint, and the target's plain greedy outputs."""
+    from tests import eagle_checkpoints as eagle
+
+    root = tmp_path_factory.mktemp("deepseek")
+    target = eagle.save_mtp_target(root / "mtp", make_deepseek_v3(root / "base", seed=3), "nextn")
+    export = eagle.save_nextn_export(root / "export", target)
+    plain = Engine(model_path=str(target), dtype="float32", max_total_tokens=8192)
+    return target, export, [o["output_ids"] for o in plain.generate(input_ids=prompts(), sampling_params=GREEDY)]
+
+
+@pytest.mark.parametrize("algo, shape, variant", [
+    ("MTP", (1, 1, 2), {}), ("MTP", (3, 1, 4), {}), ("MTP", (3, 4, 16), {}), ("MTP", (5, 8, 64), {}),
+    ("EAGLE", (3, 2, 6), {}),                         # no draft: the target's nextn layer, as SGLang runs it
+    ("NEXTN", (3, 2, 6), {"export": True}),           # SGLang's exported nextn checkpoint as the draft
+    ("MTP", (3, 2, 6), {"chunked_prefill_size": 8}), ("MTP", (3, 2, 6), {"max_total_tokens": 75}),
+], ids=["chain-1", "chain-3", "3x4x16", "5x8x64", "eagle-form", "export", "chunked", "preempt"])
+def test_deepseek_nextn_draft_greedy_identical(deepseek, algo, shape, variant):
+    target, export, plain = deepseek
+    kw = {"max_total_tokens": 8192, **variant}
+    if kw.pop("export", False):
+        kw["speculative_draft_model_path"] = str(export)
+    steps, topk, tokens = shape
+    eng = Engine(model_path=str(target), dtype="float32", speculative_algorithm=algo, speculative_num_steps=steps,
+                 speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens, **kw)
+    assert eng.args.speculative_algorithm == "MTP"
+    outs = eng.generate(input_ids=prompts(), sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == plain
+    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
+    if kw["max_total_tokens"] < 100:
+        assert eng.stats()["retractions"] > 0
 
 
 # ---------------------------------------------------------------------------------------- sampling

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import ConfigError
-from engine.speculative.token_map import HotVocabHead, load_token_map
+from engine.speculative.token_map import HotVocabHead, load_token_map, resolve_token_map
 
 
 @pytest.mark.parametrize("data", [[5, 3, 9, 0], torch.tensor([5, 3, 9, 0], dtype=torch.int32), (5, 3, 9, 0)])
@@ -42,6 +42,56 @@ def test_missing_or_unreadable_file(tmp_path):
     path.write_text("1 2 3")
     with pytest.raises(ConfigError, match="cannot be read by torch.load"):
         load_token_map(path, 10)
+
+
+HUB_MAP = "thunlp/LLaMA3-Instruct-8B-FR-Spec/freq_32768.pt"      # SGLang's guide's form
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub
+
+    # huggingface_hub reads these when imported, so the module attributes are what count.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+
+def test_token_map_path_is_a_local_file_or_a_hub_file(tmp_path, monkeypatch):
+    path = tmp_path / "map.pt"
+    torch.save([1, 2], path)
+    assert resolve_token_map(str(path)) == str(path)
+    with pytest.raises(ConfigError, match="does not exist.*org/repo/file.pt"):
+        resolve_token_map(str(tmp_path / "nope.pt"))
+    import huggingface_hub
+
+    calls = []
+
+    def cached(repo, filename, local_files_only=False):          # what the hub's local cache answers
+        calls.append((repo, filename, local_files_only))
+        return str(path)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", cached)
+    assert resolve_token_map(HUB_MAP) == str(path)
+    assert calls == [("thunlp/LLaMA3-Instruct-8B-FR-Spec", "freq_32768.pt", True)]
+
+
+def test_unreachable_hub_map_says_what_to_pass(offline_hub):
+    with pytest.raises(ConfigError, match="hub is unreachable.*hf download thunlp/LLaMA3-Instruct-8B-FR-Spec "
+                                          "freq_32768.pt --local-dir DIR.*DIR/freq_32768.pt"):
+        resolve_token_map(HUB_MAP)
+
+
+def test_unreachable_map_is_refused_before_any_weight_loads(offline_hub, target, monkeypatch):
+    from engine import Engine
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were loaded before the token map was checked")
+
+    monkeypatch.setattr("engine.model_runner.load_model", no_weights)
+    with pytest.raises(ConfigError, match="--speculative-token-map.*unreachable"):
+        Engine(model_path=str(target), speculative_algorithm="STANDALONE", speculative_draft_model_path="unused",
+               speculative_token_map=HUB_MAP)
 
 
 def test_hot_vocab_head_matches_full_head_on_hot_tokens():

@@ -31,7 +31,7 @@ def test_search_space_skips_impossible_trees():
     # topk 1 is a chain: steps + 1 tokens, whatever --search-draft-tokens says.
     assert trees == [(1, 1, 2), (1, 2, 3), (2, 1, 3), (2, 2, 3), (2, 2, 4), (3, 1, 4), (3, 2, 3), (3, 2, 4)]
     assert [s["tree"] for s in skipped] == [[1, 2, 4]]
-    assert "steps*topk + 1" in skipped[0]["reason"]
+    assert "topk + (steps-1)*topk^2 + 1 = 3" in skipped[0]["reason"]
 
 
 def test_plan_fits_the_prompts():

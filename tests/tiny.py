@@ -47,14 +47,37 @@ def make_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden: int 
                         bos_token_id=0, eos_token_id=1, pad_token_id=2, **extra)
     if arch == "qwen3":
         config.head_dim = hidden // 4
+    return _save_random(path, model_cls, config, seed, dtype)
+
+
+def make_deepseek_v3(path: Path, *, layers: int = 3, hidden: int = 64, vocab: int = 320, seed: int = 0,
+                     max_pos: int = 512, q_lora: bool = True, nextn: int = 0, **extra):
+    """A random DeepSeek-V3 (MLA, MoE from layer 1 on: 8 experts in 4 groups, 2 groups and 2 experts per
+    token, a shared expert) with the tiny tokenizer; `nextn` MTP layers declared (none saved)."""
+    import transformers as tf
+
+    config = tf.DeepseekV3Config(
+        hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32 if q_lora else None, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_group=4, topk_group=2,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        vocab_size=vocab, max_position_embeddings=max_pos, num_nextn_predict_layers=nextn,
+        bos_token_id=0, eos_token_id=1, pad_token_id=2, **extra)
+    return _save_random(path, tf.DeepseekV3ForCausalLM, config, seed, torch.float32)
+
+
+def _save_random(path: Path, model_cls, config, seed: int, dtype) -> Path:
     torch.manual_seed(seed)
     model = model_cls(config).to(dtype)
     # Larger weights than the default init give peaked, varied distributions: greedy paths that do not
-    # all collapse into one repeated token, and argmax far from ties.
+    # all collapse into one repeated token, and argmax far from ties. A routing bias that matters.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:
                 p.normal_(0.0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     path = Path(path)
     model.save_pretrained(path)
     make_tokenizer(path)

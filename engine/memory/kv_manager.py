@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from engine.memory.budget import KVBudget
 from engine.memory.kv_pool import TokenSlotAllocator
 from engine.memory.radix_cache import RadixCache
 from engine.request import Request
@@ -25,8 +26,10 @@ _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 class KVManager:
-    def __init__(self, num_slots: int, max_rows: int, max_context: int, device, radix: bool):
+    def __init__(self, num_slots: int, max_rows: int, max_context: int, device, radix: bool,
+                 budget: Optional[KVBudget] = None):
         self.allocator = TokenSlotAllocator(num_slots)
+        self.budget = budget or KVBudget(num_slots)     # how the pool was sized: out-of-memory advice
         # One row more than handed out, all zeros: the row of dummy requests that pad a batch.
         self.table = torch.zeros((max_rows + 1, max_context), dtype=torch.int64, device=device)
         self.pad_row, self.pad_slot = max_rows, num_slots + 1

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from engine.errors import ModelLoadError
+from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 
 ARCHITECTURES = {
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,     # MLA, MoE and a nextn layer, which the target skips
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MiMoForCausalLM": LlamaForCausalLM,          # Qwen2 plus MTP layers, which the target skips
@@ -16,10 +18,15 @@ ARCHITECTURES = {
 
 # Configs converted from GGUF may name no architecture; their model_type says as much.
 MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
-               "qwen3": LlamaForCausalLM}
+               "qwen3": LlamaForCausalLM, "deepseek_v3": DeepseekV3ForCausalLM}
 
 
 def model_class(config, source: str):
+    quantized = getattr(config, "quantization_config", None)
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
+        raise ModelLoadError(f"{source} holds {method}-quantized weights; spec runs unquantized (bf16, fp16 or "
+                             "fp32) checkpoints only. Pass the model's unquantized release.")
     archs = getattr(config, "architectures", None) or []
     for arch in archs:
         if arch in ARCHITECTURES:
@@ -29,4 +36,4 @@ def model_class(config, source: str):
     raise ModelLoadError(
         f"{source}: architecture {', '.join(archs) or config.model_type!r} is not supported. "
         f"Supported: {', '.join(ARCHITECTURES)}. Pass a model of one of these families "
-        "(Llama 2/3/3.1, SmolLM2, Mistral, Qwen2/2.5, Qwen3, MiMo).")
+        "(Llama 2/3/3.1, SmolLM2, Mistral, Qwen2/2.5, Qwen3, MiMo, DeepSeek-V3).")

@@ -106,9 +106,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
-        self.inter = config.intermediate_size
+        self.inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
 
@@ -118,10 +118,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer: int):
+    """Pre-norm attention then MLP, each residual; other families pass their own attention and MLP."""
+
+    def __init__(self, config, layer: int, attention: nn.Module | None = None, mlp: nn.Module | None = None):
         super().__init__()
-        self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer) if attention is None else attention
+        self.mlp = MLP(config) if mlp is None else mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -142,11 +144,12 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Returns (final normed hidden states [T, H], captured hidden states {index: [T, H]})."""
+    model_class = LlamaModel     # embed_tokens, layers, norm, rotary: other families bring their own
 
     def __init__(self, config, max_positions: int):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_positions)
+        self.model = self.model_class(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -237,7 +240,8 @@ _FUSED = {  # part name -> (fused name, order of the parts)
 
 
 def fuse_weights(weights: Iterable[tuple[str, torch.Tensor]], pending: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """Concatenate q/k/v (and gate/up) weights and biases as soon as all parts of one have arrived."""
+    """Concatenate q/k/v (and gate/up) weights and biases as soon as all parts of one have arrived.
+    Parts whose group never completes (DeepSeek's lone q_proj) come last, as they are."""
     for name, tensor in weights:
         parts = name.split(".")
         part = parts[-2] if len(parts) >= 2 else ""
@@ -247,7 +251,10 @@ def fuse_weights(weights: Iterable[tuple[str, torch.Tensor]], pending: dict) -> 
         fused, order = _FUSED[part]
         key = ".".join(parts[:-2] + [fused, parts[-1]])
         group = pending.setdefault(key, {})
-        group[part] = tensor
+        group[part] = (name, tensor)
         if len(group) == len(order):
-            yield key, torch.cat([group[p] for p in order], dim=0)
+            yield key, torch.cat([group[p][1] for p in order], dim=0)
             del pending[key]
+    for group in pending.values():
+        yield from group.values()
+    pending.clear()

@@ -17,8 +17,9 @@ Layouts, in the target's checkpoint or in a separate one:
   <a decoder layer's weights>, shared_head.norm}` with L = num_hidden_layers (SGLang's exported
   nextn checkpoints: num_hidden_layers 1 and L = 0); h = eh_proj([enorm(embed); hnorm(feature)]),
   then the decoder layer and shared_head.norm. The layer's `embed_tokens` and `shared_head.head`
-  copies are unused: the MTP layer shares both with the target by design. Only Llama/Qwen-style
-  decoder layers are supported; DeepSeek's MLA attention and MoE MLPs are refused with a ConfigError.
+  copies are unused: the MTP layer shares both with the target by design. The decoder layer is of the
+  config's family: Llama/Qwen-style, or DeepSeek-V3's (MLA attention; an MoE MLP when the layer's
+  weights have experts, as DeepSeek-V3's nextn layer does), engine/models/deepseek_v3.py.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ import torch
 from torch import nn
 
 from engine.errors import ConfigError, ModelLoadError
+from engine.models import deepseek_v3
 from engine.models.eagle import Head, load_draft_weights, target_head
-from engine.models.llama import Attention, DecoderLayer, RMSNorm, Rotary, is_mtp_weight
+from engine.models.llama import DecoderLayer, RMSNorm, Rotary, is_mtp_weight
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +62,14 @@ NEXTN = MtpLayout(
     ("embed_tokens.", "shared_head.head."), hidden_first=False, mask_first_position=False)
 LAYOUTS = (MIMO, NEXTN)
 
-# Checkpoint name parts of DeepSeek layers this engine has no implementation of.
-_UNSUPPORTED = {"self_attn.kv_a_proj_with_mqa": "MLA attention", "self_attn.q_a_proj": "MLA attention",
-                "mlp.experts.": "a mixture-of-experts MLP"}
+
+def decoder_layer(config, moe: bool) -> tuple[nn.Module, int]:
+    """The decoder layer inside an MTP layer of `config`'s family (its K/V at layer 0 of the draft's own
+    pool), and the head dims its rotary turns."""
+    if deepseek_v3.uses_mla(config):
+        return deepseek_v3.decoder_layer(config, 0, moe), config.qk_rope_head_dim
+    layer = DecoderLayer(config, 0)
+    return layer, layer.self_attn.head_dim
 
 
 class MtpDraft(nn.Module):
@@ -70,19 +77,19 @@ class MtpDraft(nn.Module):
     aux_layers: tuple[int, ...] = ()
     head: Head          # the target's lm_head (or its FR-Spec rows); set by load_mtp_draft
 
-    def __init__(self, config, layout: MtpLayout, max_positions: int):
+    def __init__(self, config, layout: MtpLayout, max_positions: int, moe: bool = False):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.embed_norm = RMSNorm(hidden, eps)
         self.hidden_norm = RMSNorm(hidden, eps)
         self.proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layer = DecoderLayer(config, 0)
+        self.layer, rotary_dims = decoder_layer(config, moe)
         self.final_norm = RMSNorm(hidden, eps)
-        self.rotary = Rotary(config, self.layer.self_attn.head_dim, max_positions)
+        self.rotary = Rotary(config, rotary_dims, max_positions)
         self.hidden_first, self.mask_first_position = layout.hidden_first, layout.mask_first_position
 
     @property
-    def attention(self) -> Attention:
+    def attention(self) -> nn.Module:
         return self.layer.self_attn
 
     def target_features(self, hidden: torch.Tensor, captured: dict[int, torch.Tensor], rows) -> torch.Tensor:
@@ -118,9 +125,9 @@ def load_mtp_draft(source: Path, target: nn.Module, *, own: bool, max_positions:
         log.info("%s has %d MTP layers; drafting reuses the first one at every step", source, count)
     prefix = layout.prefix.format(index)
     layer = {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
-    renamed = {_rename(rest, layout, source): t for rest, t in layer.items() if not rest.startswith(layout.unused)}
+    renamed = {_rename(rest, layout): t for rest, t in layer.items() if not rest.startswith(layout.unused)}
     with torch.device(device):
-        model = MtpDraft(config, layout, max_positions)
+        model = MtpDraft(config, layout, max_positions, moe=any(rest.startswith("mlp.gate.") for rest in layer))
     load_draft_weights(model, renamed, set(), source)
     model.to(dtype)
     model.rotary.float()
@@ -150,12 +157,7 @@ def _find_layer(tensors: dict, config, source: Path, own: bool) -> tuple[MtpLayo
                       "--speculative-algorithm EAGLE.")
 
 
-def _rename(rest: str, layout: MtpLayout, source: Path) -> str:
-    for part, what in _UNSUPPORTED.items():
-        if rest.startswith(part):
-            raise ConfigError(f"{source}: its MTP layer uses {what} ({rest}), as DeepSeek-V2/V3 do; MTP here "
-                              "supports Llama/Qwen-style decoder layers only. Use --speculative-algorithm NGRAM "
-                              "(or EAGLE with a draft) for this model.")
+def _rename(rest: str, layout: MtpLayout) -> str:
     for start, new in layout.renames.items():
         if rest.startswith(start):
             return new + rest[len(start):]

@@ -24,7 +24,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
-@router.post("/v1/chat/completions", responses=STREAMED | error_responses(400, 404, 503))
+@router.post("/v1/chat/completions", responses=STREAMED | error_responses(400, 503))
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     serving: Serving = http.app.state.serving
     serving.check_body(body)
@@ -38,7 +38,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     return await _respond(serving, http, reqs, body.stream, body.include_usage, shape, [""] * len(reqs))
 
 
-@router.post("/v1/completions", responses=STREAMED | error_responses(400, 404, 503))
+@router.post("/v1/completions", responses=STREAMED | error_responses(400, 503))
 async def completions(body: CompletionRequest, http: HTTPRequest):
     serving: Serving = http.app.state.serving
     serving.check_body(body)

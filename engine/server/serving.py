@@ -42,15 +42,15 @@ class Serving:
         self.loop.on_output = self.metrics.observe     # the metrics read the loop's figures, and it feeds them
 
     # ------------------------------------------------------------------ checks and request building
-    def check_model(self, model: Optional[str]) -> None:
-        """No name means the served model; any other name than its own (or its --model-path) is a 404."""
+    def check_model(self, model: str) -> None:
+        """For GET /v1/models/{model}: any other name than the served model's (or its --model-path) is a 404."""
         if model is not None and model not in (self.model_name, self.args.model_path):
             raise APIError(404, f"The model {model!r} does not exist; this server serves {self.model_name!r}.",
                            param="model", code="model_not_found")
 
     def check_body(self, body: APIBody) -> None:
-        """The model name and the parameters this server cannot honour."""
-        self.check_model(getattr(body, "model", None))
+        """The parameters this server cannot honour. The `model` name is not checked: as with SGLang, a
+        request names any model and is served by this one, which the response names."""
         name = body.unsupported()
         if name is not None:
             raise APIError(400, f"Parameter {name!r} is not supported by this server (got {getattr(body, name)!r}); "

@@ -9,15 +9,17 @@ was already learned are added, so per step only the new tokens are touched, and 
 Drafting a request's tree:
 - Match: the longest suffix of its tokens (max window down to min window) with followers in the cache.
   Nothing matches: the tree is the root alone and the step is a plain decode.
-- Breadth: how many nodes each tree level keeps. A longer match is a more specific, more trustworthy
-  context, so the breadth falls linearly from max_bfs_breadth (match of min window) to min_bfs_breadth
-  (match of max window). `--speculative-eagle-topk` caps it, keeping the meaning it has for EAGLE (nodes
-  kept per level, children per node): topk 1 always drafts a chain, as the tree flags promise.
-  The breadth is the same at every depth; the final cut below is what narrows deep levels.
+- Breadth, as SGLang's NGRAM sets it: how many children a node may have. A longer match is a more
+  specific, more trustworthy context, so the root's breadth falls linearly with the match length, from
+  about max_bfs_breadth (a match of min window) to min_bfs_breadth (a match of max window); each level
+  deeper has a step less, never under one: step = (max - min breadth) / (max - min window + 1).
+  `--speculative-eagle-topk` caps it (children per node, its meaning for EAGLE); left out, it is
+  max_bfs_breadth, as in SGLang, and the breadth flags alone shape the tree.
 - Expansion, breadth first for up to `steps` levels: a node's candidate children are the followers of
   the longest matching suffix of its own context (the request's tokens plus the path to it), at most
-  `breadth` of them, most frequent first (most recent among equals). A node scores the empirical
-  probability of its path (product of count / total along it); each level keeps its `breadth` best.
+  its breadth of them, most frequent first (most recent among equals). A node scores the empirical
+  probability of its path (product of count / total along it); no more nodes than the budget are kept
+  per level, since no more can make the cut.
 - Cut: the `num_draft_tokens - 1` best-scoring nodes are kept. A child never scores above its parent,
   and is created after it, so the kept set is a tree; a certain (single-follower) continuation keeps
   its parent's score and runs deep, while uncertain branches are dropped first.
@@ -39,23 +41,24 @@ from engine.step import DecodeStep
 
 
 def ngram_tree(cache: NgramCache, context: Sequence[int], steps: int, budget: int,
-               breadth: Callable[[int], int]) -> DraftTree:
+               breadth: Callable[[int, int], int]) -> DraftTree:
     """A draft tree of at most `budget` nodes besides the root (`context[-1]`) and depth `steps`.
-    `breadth(match_length)` gives the nodes kept per level for the root's match length."""
+    `breadth(match_length, depth)` gives the children a node at `depth` (the root: 0) may have, for the
+    root's match length."""
     root = context[-1]
     ctx = tuple(context[-cache.max_window:])
-    match_len, counts = cache.match(ctx)
+    root_match, counts = cache.match(ctx)
     if counts is None:
         return DraftTree.chain(root, [])
-    width = breadth(match_len)
     tokens, parents, scores = [root], [-1], [1.0]
     # Nodes to expand: (index, context tuple, longest possible match). A context's match is at most one
     # longer than its parent's: a longer one would mean the parent's context matched longer too.
-    level = [(0, ctx, match_len)]
+    level = [(0, ctx, root_match)]
     # The `budget`-th best score so far: a node at or below it, created later than the nodes above it,
     # cannot make the cut, nor can its descendants (they score no higher): it is neither kept nor grown.
     floor = 0.0
-    for _ in range(steps):
+    for depth in range(steps):
+        width = breadth(root_match, depth)
         grown = []
         for node, node_ctx, longest in level:
             match_len, counts = cache.match(node_ctx, longest)
@@ -68,7 +71,7 @@ def ngram_tree(cache: NgramCache, context: Sequence[int], steps: int, budget: in
         # Stable sort: equal scores keep parent order, then follower rank.
         grown = sorted((g for g in grown if g[0] > floor), key=lambda g: -g[0])
         level = []
-        for score, parent, tok, parent_ctx, parent_match in grown[:width]:
+        for score, parent, tok, parent_ctx, parent_match in grown[:budget]:
             tokens.append(tok)
             parents.append(parent)
             scores.append(score)
@@ -97,11 +100,10 @@ class NgramDrafter(Drafter):
                                 2 * self.max_breadth)
         self.learned: dict[Request, int] = {}     # tokens of each running request already in the cache
 
-    def breadth(self, match_len: int) -> int:
-        span = self.max_window - self.min_window
-        confidence = (match_len - self.min_window) / span if span else 1.0
-        width = round(self.max_breadth - (self.max_breadth - self.min_breadth) * confidence)
-        return min(self.topk, width)
+    def breadth(self, match_len: int, depth: int) -> int:
+        step = (self.max_breadth - self.min_breadth) / (self.max_window - self.min_window + 1)
+        width = int((self.max_window - match_len - depth) * step + self.min_breadth)
+        return min(self.topk, max(1, width))
 
     def draft(self, step: DecodeStep) -> TreeBatch:
         for req in step.reqs:                     # all first: one request's text may draft another's

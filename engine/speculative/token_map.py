@@ -17,6 +17,39 @@ from engine.errors import ConfigError
 _FORMAT = "a file written by torch.save(token_ids, path), token_ids a list or 1-D tensor of distinct ints"
 
 
+def resolve_token_map(path: str) -> str:
+    """A local file for --speculative-token-map: the path itself, or for a hub-style path that is no local
+    file, `org/repo/file.pt` (SGLang's guide passes thunlp/LLaMA3-Instruct-8B-FR-Spec/freq_32768.pt), the
+    file from the Hugging Face hub, its local cache first. Checked before any weight loads."""
+    local = Path(path).expanduser()
+    if local.is_file():
+        return str(local)
+    where = f"--speculative-token-map {path!r}"
+    parts = path.split("/")
+    if path.startswith(("/", ".", "~")) or len(parts) < 3 or local.parent.is_dir():
+        raise ConfigError(f"{where} does not exist; pass {_FORMAT} (FR-Spec's freq_*.pt files are such), or a "
+                          "hub path org/repo/file.pt.")
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    repo, filename = "/".join(parts[:2]), "/".join(parts[2:])
+    try:
+        try:
+            return hf_hub_download(repo, filename, local_files_only=True)
+        except LocalEntryNotFoundError:
+            return hf_hub_download(repo, filename)
+    except Exception as exc:  # no such repo or file; offline (LocalEntryNotFoundError), HTTP and connection errors
+        missing = isinstance(exc, (EntryNotFoundError, RepositoryNotFoundError))
+        if missing and not isinstance(exc, LocalEntryNotFoundError):
+            raise ConfigError(f"{where} is no local file, and the Hugging Face hub has no file {filename!r} in a "
+                              f"repo {repo!r} ({type(exc).__name__}); pass a local file or an existing "
+                              "org/repo/file path.") from None
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{where} is no local file, and the Hugging Face hub is unreachable ({reason}) with "
+                          f"the file not in its local cache. Where the hub is reachable run `hf download {repo} "
+                          f"{filename} --local-dir DIR`, then pass DIR/{filename}.") from None
+
+
 def load_token_map(path: str | Path, vocab_size: int) -> torch.LongTensor:
     """The map's token ids, validated against the draft vocabulary [0, vocab_size)."""
     where = f"--speculative-token-map {str(path)!r}"
