@@ -263,7 +263,7 @@ class Engine:
             logprobs = req.output_logprobs[:req.num_output]
             meta["output_token_logprobs"] = [(lp, tok, None) for (lp, _), tok in zip(logprobs, req.output_ids)]
             meta["output_top_logprobs"] = [[(v, t, None) for t, v in top] for _, top in logprobs]
-        text = req.text if req.finished else _hold_back_stop_prefix(req.text, req.params.stop)
+        text = req.text if req.finished else hold_back_stop_prefix(req.text, req.params.stop)
         out = {"text": text, "output_ids": req.output_ids, "meta_info": meta}
         if index is not None:
             out["index"] = index
@@ -299,8 +299,9 @@ def _draft_key(args: ServerArgs) -> tuple:
             args.speculative_token_map)
 
 
-def _hold_back_stop_prefix(text: str, stops: Sequence[str]) -> str:
-    """While a request runs, hide a tail that could be the start of a stop string (it may be cut)."""
+def hold_back_stop_prefix(text: str, stops: Sequence[str]) -> str:
+    """While a request runs, hide a tail that could be the start of a stop string (it may be cut).
+    The server holds back a tail that could begin a <tool_call> the same way."""
     hold = 0
     for s in stops:
         for k in range(min(len(s) - 1, len(text)), 0, -1):

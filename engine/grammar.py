@@ -15,6 +15,7 @@ xgrammar is imported on first use: a server that never sees a constraint never l
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Optional, Sequence
 
@@ -24,6 +25,7 @@ from engine.errors import RequestError
 
 # How much of a compiler error to quote back to the client.
 _MAX_ERROR_CHARS = 400
+_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
 class GrammarBackend:
@@ -66,6 +68,7 @@ class GrammarBackend:
                 return compiler.compile_structural_tag(text)
         except Exception as exc:      # xgrammar raises RuntimeError, ValueError or its own JSON errors
             message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            message = _LOCATION.sub("", message)       # "[12:00:00] /project/cpp/file.cc:123: " says nothing to a client
             raise RequestError(f"{kind} could not be compiled: {message[:_MAX_ERROR_CHARS]}", kind) from None
         raise AssertionError(kind)
 

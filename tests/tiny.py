@@ -18,8 +18,18 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
+# A chat template that offers tools and writes calls in the Qwen / Hermes format, as Qwen2.5's does.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>You may call these tools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
+    "Call one as <tool_call>\n{\"name\": ..., \"arguments\": ...}\n</tool_call></s>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>{% endfor %}</s>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
-def make_tokenizer(path: Path):
+
+def make_tokenizer(path: Path, chat_template: str = CHAT_TEMPLATE):
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -28,13 +38,14 @@ def make_tokenizer(path: Path):
                             special_tokens=["<s>", "</s>", "<pad>"], show_progress=False)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<s>", eos_token="</s>",
                                   pad_token="<pad>")
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = chat_template
     tok.save_pretrained(path)
     return tok
 
 
 def make_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden: int = 64, vocab: int = 320,
-               seed: int = 0, max_pos: int = 512, tie: bool = False, dtype=torch.float32, **extra):
+               seed: int = 0, max_pos: int = 512, tie: bool = False, dtype=torch.float32,
+               chat_template: str = CHAT_TEMPLATE, **extra):
     """Save a random model of `arch` (llama, qwen2, qwen3, mistral) with the tiny tokenizer; return its dir."""
     import transformers as tf
 
@@ -57,7 +68,7 @@ def make_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden: int 
                 p.normal_(0.0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
     path = Path(path)
     model.save_pretrained(path)
-    make_tokenizer(path)
+    make_tokenizer(path, chat_template)
     return path
 
 
