@@ -119,16 +119,21 @@ class Worker:
         accepted = verify(tree, out.logits, sb, rejection)
         path_tokens = tree.tokens.gather(1, accepted.index)
         width = accepted.index.shape[1]
-        # Emitted token i of request b: the drafted child on the accepted path, then the bonus; its
-        # distribution is that of path node i, the flat logits row starts[b] + index[b, i].
-        sizes = torch.tensor(tree.sizes, device=device)
-        rows = (sizes.cumsum(0) - sizes)[:, None] + accepted.index
-        emitted = torch.where(torch.arange(width, device=device)[None, :] == accepted.length[:, None] - 1,
-                              accepted.bonus[:, None], torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], 1))
+        rows = None
+        if self.capture or any(r.return_logprob for r in reqs):
+            # Emitted token i of request b: the drafted child on the accepted path, then the bonus; its
+            # distribution is that of path node i, the flat logits row starts[b] + index[b, i].
+            sizes = torch.tensor(tree.sizes, device=device)
+            rows = (sizes.cumsum(0) - sizes)[:, None] + accepted.index
+        logprobs = None
+        if any(r.return_logprob for r in reqs):
+            emitted = torch.where(torch.arange(width, device=device)[None, :] == accepted.length[:, None] - 1,
+                                  accepted.bonus[:, None], torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], 1))
+            logprobs = _logprobs(sb, out.logits, reqs, rows, emitted)
         # The step's one host synchronisation: accepted lengths, bonus tokens, accepted paths, and the
         # emitted tokens' logprobs where asked.
         host, floats = _to_host(torch.cat([accepted.length[:, None], accepted.bonus[:, None], accepted.index,
-                                           path_tokens], 1), _logprobs(sb, out.logits, reqs, rows, emitted))
+                                           path_tokens], 1), logprobs)
         lengths = [h[0] for h in host]
         paths = [h[2:2 + n] for h, n in zip(host, lengths)]
         tokens = [h[3 + width:2 + width + n] + [h[1]] for h, n in zip(host, lengths)]

@@ -148,7 +148,8 @@ class _Shape:
             message: dict = {"role": "assistant", "content": text}
             if self.tools:
                 content, calls = tool_calls.ToolCallParser().feed(text, final=True)
-                message = {"role": "assistant", "content": content or None} | ({"tool_calls": calls} if calls else {})
+                message = {"role": "assistant", "content": content if content or not calls else None} | (
+                    {"tool_calls": calls} if calls else {})
                 finish = "tool_calls" if calls and finish == "stop" else finish
             body = {"message": message}
         else:
