@@ -120,6 +120,27 @@ def _fill_tree(matcher, tokens: list[int], parents: list[int], out: torch.Tensor
     out[(out == 0).all(-1)] = -1
 
 
+class DraftGrammar:
+    """Grammar states along a draft tree as a drafter builds it (node 0: the request's committed
+    state), so that it proposes only tokens the grammar allows. Works on forks: the request's own
+    matcher is left as it is."""
+
+    def __init__(self, matcher):
+        self.states = {0: matcher.fork()}
+        self._tried: dict[tuple[int, int], object] = {}
+
+    def allows(self, node: int, token: int) -> bool:
+        state = self.states[node].fork()
+        if not state.accept_token(token):
+            return False
+        self._tried[(node, token)] = state
+        return True
+
+    def grow(self, node: int, parent: int, token: int) -> None:
+        """Node `node` is `token` under `parent` (a pair `allows` accepted)."""
+        self.states[node] = self._tried.pop((parent, token))
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Disallowed tokens of `rows` to -inf, in place (xgrammar's kernel for the logits' device)."""
     import xgrammar as xgr

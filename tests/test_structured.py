@@ -259,3 +259,29 @@ def test_tree_bitmask_rows_follow_each_nodes_path(tmp_path):
                        [1], "cpu", rows_per_req=[5], bitmask=(bitmask, rows))
     probs = sb.probs(logits)
     assert set(probs[1].nonzero().flatten().tolist()) == {ids["b"], ids["c"]}
+
+
+def test_ngram_drafts_only_what_the_grammar_allows(tmp_path):
+    """An n-gram cache full of continuations the grammar refuses: the constrained tree holds none of
+    them, the unconstrained one does."""
+    from engine.speculative.ngram import ngram_tree
+    from engine.speculative.ngram_cache import NgramCache
+    from engine.grammar import DraftGrammar
+
+    tok = make_tokenizer(tmp_path)
+    ids = {tok.decode([i]): i for i in range(320)}
+    a, b, c, x = ids["a"], ids["b"], ids["c"], ids["x"]
+    cache = NgramCache(1, 3, 10_000, 20)
+    seq = [a, x, x, a, b, c, a, x, a, b, a, x, x, x]
+    cache.learn(seq, 0)
+    backend = GrammarBackend(tok, 320, [1])
+    matcher = backend.matcher(backend.compile("regex", "(ab|ac)+"))
+    assert matcher.accept_token(a)          # the root, committed
+    free = ngram_tree(cache, [a], steps=3, budget=8, breadth=lambda n: 3)
+    assert x in free.tokens
+    tree = ngram_tree(cache, [a], steps=3, budget=8, breadth=lambda n: 3, grammar=DraftGrammar(matcher))
+    assert len(tree) > 1 and x not in tree.tokens
+    for node in range(1, len(tree)):       # every path is a prefix the grammar takes after the committed "a"
+        m = matcher.fork()
+        assert all(m.accept_token(tree.tokens[i]) for i in tree.path_to(node)[1:])
+    assert matcher.accept_token(b)          # the request's own matcher did not move
