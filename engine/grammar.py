@@ -15,6 +15,7 @@ xgrammar is imported on first use: a server that never sees a constraint never l
 
 from __future__ import annotations
 
+import copy
 import re
 import threading
 from typing import Optional, Sequence
@@ -44,7 +45,9 @@ class GrammarBackend:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                # A copy: the server compiles on a worker thread while the engine thread decodes with
+                # the original, and tokenizers' Rust objects are best kept to one thread each.
+                info = xgr.TokenizerInfo.from_huggingface(copy.deepcopy(self.tokenizer), vocab_size=self.vocab_size,
                                                           stop_token_ids=self.eos_ids)
                 self._compiler = xgr.GrammarCompiler(info)
             return self._compiler

@@ -102,6 +102,11 @@ def test_completion_and_generate_logprobs(plain):
     assert "".join(lp.tokens) == c.choices[0].text and len(lp.token_logprobs) == 8
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
     assert all(len(top) <= 2 and max(top.values()) >= v for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    stream = client(plain).completions.create(model="tiny", prompt="one two three", max_tokens=8, temperature=0,
+                                              logprobs=2, stream=True, extra_body={"ignore_eos": True})
+    parts = [c.choices[0].logprobs for c in stream if c.choices[0].logprobs]
+    assert sum((p.tokens for p in parts), []) == lp.tokens
+    assert sum((p.text_offset for p in parts), []) == lp.text_offset
     with plain.http() as h:
         out = h.post("/generate", json={"text": "one two three", "return_logprob": True, "top_logprobs_num": 2,
                                         "return_text_in_logprobs": True,

@@ -138,6 +138,16 @@ def test_constrained_greedy_identical_to_plain(algo, shape, target, tmp_path, pl
         assert outs[-2]["meta_info"]["spec_verify_ct"] < len(outs[-2]["output_ids"])
 
 
+def test_constrained_output_survives_preemption(target, tmp_path, plain):
+    """Retracted requests resume from their committed grammar state: the same output as without."""
+    eng = spec_engine("NGRAM", target, tmp_path, (3, 2, 6), max_total_tokens=90,
+                      constrained_json_disable_any_whitespace=True)
+    expected = plain.generate(input_ids=prompts(), sampling_params=JSON)
+    outs = eng.generate(input_ids=prompts(), sampling_params=JSON)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in expected]
+    assert eng.stats()["retractions"] > 0
+
+
 def _escape(text: str) -> str:
     import re
 
