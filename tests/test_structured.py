@@ -295,3 +295,30 @@ def test_ngram_drafts_only_what_the_grammar_allows(tmp_path):
         m = matcher.fork()
         assert all(m.accept_token(tree.tokens[i]) for i in tree.path_to(node)[1:])
     assert matcher.accept_token(b)          # the request's own matcher did not move
+
+
+def test_a_token_the_grammar_refuses_fails_that_request_only(plain):
+    """Masks make this impossible; if a bug ever lets one through, that request ends as an internal
+    error (a 500 on the server) and the others go on."""
+    from engine.server.serving import engine_abort
+
+    class Refusing:
+        def __init__(self, matcher):
+            self.matcher = matcher
+
+        def __getattr__(self, name):
+            return getattr(self.matcher, name)
+
+        def accept_token(self, token):
+            return False
+
+    params = {"max_new_tokens": 8, "temperature": 0}
+    bad = plain.make_request([5, 6, 7], SamplingParams.from_dict({**params, "regex": "[a-z]+"}))
+    good = plain.make_request([5, 6], SamplingParams.from_dict({**params, "ignore_eos": True}))
+    bad.grammar = Refusing(bad.grammar)
+    for r in (bad, good):
+        plain.add_request(r)
+    while not (bad.finished and good.finished):
+        plain.step()
+    assert bad.finish_reason.type == "abort" and good.finish_reason.type == "length"
+    assert engine_abort(plain.output_dict(bad)).status == 500

@@ -20,7 +20,7 @@ from engine.engine import Engine
 from engine.errors import RequestError
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.server.engine_loop import INTERNAL_ERROR, SHUTTING_DOWN, EngineLoop, Submission, finish_type
+from engine.server.engine_loop import SHUTTING_DOWN, EngineLoop, Submission, finish_type
 from engine.server.errors import APIError, error_body
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import APIBody, ChatMessage
@@ -178,13 +178,17 @@ class Serving:
         return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+# Abort messages that report a bug in the engine start so (engine_loop.INTERNAL_ERROR among them).
+INTERNAL_ERROR_PREFIX = "internal error"
+
+
 def engine_abort(out: dict) -> Optional[APIError]:
     """An engine-side abort as the error to answer with: 500 when the engine failed, else 503 (the
     server is shutting down, or the KV cache cannot hold the request even alone)."""
     if finish_type(out) != "abort":
         return None
     message = out["meta_info"]["finish_reason"].get("message") or "the request was aborted"
-    if message == INTERNAL_ERROR:
+    if message.startswith(INTERNAL_ERROR_PREFIX):       # the loop's INTERNAL_ERROR, or one request's bug
         return APIError(500, f"The request could not be completed: {message}.", code="internal_error")
     return APIError(503, f"The request could not be completed: {message}.", code="aborted",
                     headers={"Retry-After": "5"} if message == SHUTTING_DOWN else None)
