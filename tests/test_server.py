@@ -691,6 +691,13 @@ def test_ngram_metrics_report_accept_length(model_dir):
         pytest.approx(info["spec_accept_by_position"])
 
 
+def test_ready_line_names_the_tree_chosen_for_the_model(model_dir, capsys):
+    with serve(_args(model_dir, speculative_algorithm="NGRAM")) as s:
+        tree = s.engine.args.speculative_tree
+    ready = [line for line in capsys.readouterr().out.splitlines() if "ready at" in line][0]
+    assert "None" not in ready and f"steps {tree[0]}, topk {tree[1]}, draft tokens {tree[2]}" in ready
+
+
 # ---------------------------------------------------------------------------------------- process lifecycle
 @contextlib.contextmanager
 def spawned(model_dir):

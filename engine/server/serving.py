@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 
 class Serving:
     def __init__(self, engine: Engine, args: ServerArgs):
-        self.engine, self.args = engine, args
+        # The engine's copy of the flags: resolved against the model (the tree chosen when left to auto).
+        self.engine, self.args = engine, engine.args
+        args = engine.args
         self.model_name = args.served_model_name or os.path.basename(str(args.model_path).rstrip("/"))
         self.context_len = engine.context_len
         self.tokenizer = Tokenizer(engine.tokenizer, self.context_len)
