@@ -322,3 +322,11 @@ def test_a_token_the_grammar_refuses_fails_that_request_only(plain):
         plain.step()
     assert bad.finish_reason.type == "abort" and good.finish_reason.type == "length"
     assert engine_abort(plain.output_dict(bad)).status == 500
+
+
+def test_grammar_backend_none_refuses_constraints(target):
+    eng = Engine(model_path=str(target), dtype="float32", max_total_tokens=1024, grammar_backend="none")
+    with pytest.raises(RequestError) as err:
+        eng.generate(input_ids=[5, 6], sampling_params={"regex": "a+"})
+    assert err.value.param == "regex" and "--grammar-backend none" in str(err.value)
+    assert eng.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2})["output_ids"]
