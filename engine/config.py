@@ -161,6 +161,14 @@ class ServerArgs:
     speculative_ngram_capacity: int = field(default=10_000_000, metadata=opt(
         "NGRAM: most n-gram entries kept (least recently used out).", group="Speculative decoding"))
 
+    # --- Structured output ---------------------------------------------------------------------------
+    grammar_backend: str = field(default="xgrammar", metadata=opt(
+        "Grammar engine for response_format, tools and SGLang's json_schema/regex/ebnf: xgrammar, or none "
+        "to refuse constrained requests.", group="Structured output", choices=("xgrammar", "none")))
+    constrained_json_disable_any_whitespace: bool = field(default=False, metadata=opt(
+        "JSON outputs without free whitespace between tokens: stops a weak model from looping on newlines, "
+        "at the cost of pretty-printed output.", group="Structured output"))
+
     # --- Compilation and CUDA graphs (GPU; accepted and recorded on CPU) --------------------------
     enable_torch_compile: bool = field(default=False, metadata=opt(
         "torch.compile the model's decode step.", group="Compilation"))

@@ -22,6 +22,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 from engine.config import ServerArgs
 from engine.errors import ConfigError, RequestError
+from engine.grammar import GrammarBackend
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -29,6 +30,10 @@ log = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[str], None]
 
+
+# Alternatives reported per output token at most (OpenAI's limit): each costs two floats per token in
+# the step's host transfer.
+MAX_TOP_LOGPROBS = 20
 
 _SPECULATIVE_FIELDS = tuple(f.name for f in dataclasses.fields(ServerArgs) if f.name.startswith("speculative_"))
 
@@ -49,6 +54,9 @@ class Engine:
         self._drafters = {_draft_key(self.args): drafter} if _has_draft_model(self.args) else {}
         self._ids = itertools.count()
         self._seeds = itertools.count()
+        self.grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_ids,
+                                       enabled=self.args.grammar_backend != "none",
+                                       any_whitespace=not self.args.constrained_json_disable_any_whitespace)
 
     # ------------------------------------------------------------------ figures
     @property
@@ -132,14 +140,29 @@ class Engine:
         self._scheduler.worker.capture = tuple(layers)
 
     # ------------------------------------------------------------------ low-level API
-    def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None) -> Request:
-        """Validate a tokenized request against this model and build its Request (not yet queued)."""
+    def compile_grammar(self, params: SamplingParams):
+        """The compiled grammar of the request's constraint, or None. Thread-safe (the server compiles
+        off the engine thread); a RequestError naming the parameter when it does not compile."""
+        return self.grammars.compile(*params.constraint) if params.constraint else None
+
+    def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None, *,
+                     return_logprob: bool = False, top_logprobs_num: int = 0, grammar=None) -> Request:
+        """Validate a tokenized request against this model and build its Request (not yet queued).
+        `grammar`: compile_grammar's result, compiled here when not given; top_logprobs_num: alternatives
+        reported per output token, with return_logprob."""
         if not prompt_ids:
             raise RequestError("The prompt is empty; pass some text or input_ids.")
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise RequestError(f"input_ids must be token ids in [0, {vocab}); got {bad[0]!r}.")
+        bad = [t for t in params.logit_bias or {} if int(t) >= vocab]
+        if bad:
+            raise RequestError(f"logit_bias names token {bad[0]}, outside the vocabulary [0, {vocab}).", "logit_bias")
+        if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) or \
+                not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], got "
+                               f"{top_logprobs_num!r}.", "top_logprobs_num")
         context = self.context_len
         if len(prompt_ids) >= context:
             raise RequestError(f"The prompt has {len(prompt_ids)} tokens but the context length is {context}; "
@@ -154,12 +177,20 @@ class Engine:
         # What cannot fit is known now: max_new_tokens is clamped, and the answer ends with "length".
         params.max_new_tokens = min(params.max_new_tokens, context - len(prompt_ids), room - len(prompt_ids))
         seed = params.seed if params.seed is not None else self.args.random_seed * 1_000_003 + next(self._seeds)
-        return Request(rid or f"req-{next(self._ids)}", list(prompt_ids), params, seed)
+        if grammar is None and params.constraint:
+            grammar = self.compile_grammar(params)
+        return Request(rid or f"req-{next(self._ids)}", list(prompt_ids), params, seed,
+                       grammar=None if grammar is None else self.grammars.matcher(grammar),
+                       return_logprob=return_logprob, top_logprobs_num=top_logprobs_num if return_logprob else 0)
 
-    def make_choices(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None) -> list[Request]:
-        """One Request per choice (`params.n`); choice k of a seeded request samples with seed + k."""
+    def make_choices(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None,
+                     **options: Any) -> list[Request]:
+        """One Request per choice (`params.n`); choice k of a seeded request samples with seed + k.
+        `options`: make_request's keyword arguments."""
+        if params.constraint and options.get("grammar") is None:
+            options["grammar"] = self.compile_grammar(params)           # once for all choices
         return [self.make_request(prompt_ids, dataclasses.replace(params, seed=None if params.seed is None else params.seed + k),
-                                  rid=None if rid is None else f"{rid}-{k}")
+                                  rid=None if rid is None else f"{rid}-{k}", **options)
                 for k in range(params.n)]
 
     def add_request(self, req: Request) -> None:
@@ -176,8 +207,12 @@ class Engine:
 
     # ------------------------------------------------------------------ SGLang-style API
     def generate(self, prompt: Prompt = None, sampling_params: Union[dict, Sequence[dict], None] = None,
-                 input_ids: Union[Sequence[int], Sequence[Sequence[int]], None] = None, stream: bool = False):
-        requests, single = self._build_requests(prompt, sampling_params, input_ids)
+                 input_ids: Union[Sequence[int], Sequence[Sequence[int]], None] = None, stream: bool = False,
+                 return_logprob: bool = False, top_logprobs_num: int = 0):
+        """return_logprob: meta_info gets output_token_logprobs [(logprob, id, None)] and
+        output_top_logprobs (top_logprobs_num alternatives per token), as SGLang's."""
+        requests, single = self._build_requests(prompt, sampling_params, input_ids,
+                                                return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
         if stream:
             return self._stream(requests)
         for req in requests:
@@ -199,7 +234,7 @@ class Engine:
             if all(r.finished for r in requests):
                 return
 
-    def _build_requests(self, prompt, sampling_params, input_ids) -> tuple[list[Request], bool]:
+    def _build_requests(self, prompt, sampling_params, input_ids, **options) -> tuple[list[Request], bool]:
         if (prompt is None) == (input_ids is None):
             raise RequestError("Pass exactly one of prompt (text) and input_ids.")
         if prompt is not None:
@@ -217,7 +252,7 @@ class Engine:
             param_list = [SamplingParams.from_dict(p) for p in sampling_params]
         else:
             param_list = [SamplingParams.from_dict(sampling_params) for _ in id_lists]
-        requests = [req for ids, params in zip(id_lists, param_list) for req in self.make_choices(ids, params)]
+        requests = [req for ids, params in zip(id_lists, param_list) for req in self.make_choices(ids, params, **options)]
         return requests, single and param_list[0].n == 1
 
     def output_dict(self, req: Request, index: Optional[int] = None) -> dict:
@@ -233,7 +268,11 @@ class Engine:
         if self.args.speculative_algorithm:
             meta["spec_verify_ct"] = req.spec_verify_ct
             meta["spec_accept_length"] = req.num_output / req.spec_verify_ct if req.spec_verify_ct else None
-        text = req.text if req.finished else _hold_back_stop_prefix(req.text, req.params.stop)
+        if req.return_logprob:
+            logprobs = req.output_logprobs[:req.num_output]
+            meta["output_token_logprobs"] = [(lp, tok, None) for (lp, _), tok in zip(logprobs, req.output_ids)]
+            meta["output_top_logprobs"] = [[(v, t, None) for t, v in top] for _, top in logprobs]
+        text = req.text if req.finished else hold_back_stop_prefix(req.text, req.params.stop)
         out = {"text": text, "output_ids": req.output_ids, "meta_info": meta}
         if index is not None:
             out["index"] = index
@@ -269,8 +308,9 @@ def _draft_key(args: ServerArgs) -> tuple:
             args.speculative_token_map)
 
 
-def _hold_back_stop_prefix(text: str, stops: Sequence[str]) -> str:
-    """While a request runs, hide a tail that could be the start of a stop string (it may be cut)."""
+def hold_back_stop_prefix(text: str, stops: Sequence[str]) -> str:
+    """While a request runs, hide a tail that could be the start of a stop string (it may be cut).
+    The server holds back a tail that could begin a <tool_call> the same way."""
     hold = 0
     for s in stops:
         for k in range(min(len(s) - 1, len(text)), 0, -1):

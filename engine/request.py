@@ -60,6 +60,13 @@ class Request:
     checked_text_len: int = 0                  # text already searched for stop strings
     stop_text_cut: Optional[int] = None        # where a matched stop string starts in `text`
 
+    # Structured output: an xgrammar GrammarMatcher at the state of the committed tokens (engine/grammar.py).
+    grammar: object = field(default=None, repr=False)
+    # Logprobs of the output tokens, when asked: per token (logprob, [(token id, logprob)] best first).
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    output_logprobs: list = field(default_factory=list, repr=False)
+
     # Speculative counters.
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0              # draft tokens accepted (bonus tokens excluded)

@@ -38,17 +38,21 @@ class PathTokens:
 class SamplingBatch:
     def __init__(self, reqs: Sequence[Sampled], eos_ids: Sequence[int], device, *,
                  rows_per_req: Optional[Sequence[int]] = None, depth: Optional[torch.Tensor] = None,
-                 paths: Optional[PathTokens] = None):
+                 paths: Optional[PathTokens] = None, bitmask: Optional[tuple[torch.Tensor, list[int]]] = None):
+        """bitmask: grammar masks (engine/grammar.py row_bitmask): [R, words] on the host, and the rows
+        they constrain."""
         self.reqs, self.eos_ids, self.device = list(reqs), list(eos_ids), device
         self.rows_per_req = list(rows_per_req) if rows_per_req is not None else [1] * len(reqs)
-        self.paths = paths
+        self.paths, self.bitmask = paths, bitmask
         counts = torch.tensor(self.rows_per_req, device=device)
         self.req_of = torch.repeat_interleave(torch.arange(len(reqs), device=device), counts)
         self.depth = depth if depth is not None else torch.zeros_like(self.req_of)
         params = [r.params for r in reqs]
         self.all_greedy = all(p.greedy for p in params)
-        self.needs_adjust = any(p.has_penalties or p.min_new_tokens for p in params)
+        self.needs_adjust = bitmask is not None or any(p.has_penalties or p.min_new_tokens or p.logit_bias
+                                                       for p in params)
         self._per_req: dict[str, torch.Tensor] = {}
+        self._adjusted: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     # ------------------------------------------------------------------ per-row settings
     def _row(self, name: str, values, dtype) -> torch.Tensor:
@@ -59,6 +63,12 @@ class SamplingBatch:
     @property
     def greedy(self) -> torch.Tensor:
         return self._row("greedy", [r.params.greedy for r in self.reqs], torch.bool)
+
+    @property
+    def temperatures(self) -> torch.Tensor:
+        """Per row: the request's temperature, 1 for greedy rows."""
+        return self._row("temp", [r.params.temperature if not r.params.greedy else 1.0 for r in self.reqs],
+                         torch.float32)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -79,8 +89,17 @@ class SamplingBatch:
 
     # ------------------------------------------------------------------ logits to distributions
     def adjust(self, logits: torch.Tensor) -> torch.Tensor:
-        """Penalties and min_new_tokens on fp32 logits [R, V] (a new tensor when anything changes).
-        Python loops over the requests that use them only: they are rare, and per request anyway."""
+        """Penalties, min_new_tokens, logit_bias and grammar masks on fp32 logits [R, V] (a new tensor
+        when anything changes; computed once per logits tensor, as sampling, verification and logprobs
+        all read it). Python loops over the requests that use them only: they are rare, and per
+        request anyway."""
+        if self._adjusted is not None and self._adjusted[0] is logits:
+            return self._adjusted[1]
+        out = self._adjust(logits)
+        self._adjusted = (logits, out)
+        return out
+
+    def _adjust(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.float()
         if not self.needs_adjust:
             return logits
@@ -90,25 +109,36 @@ class SamplingBatch:
         for b, (req, n) in enumerate(zip(self.reqs, self.rows_per_req)):
             rows, start = slice(start, start + n), start + n
             p = req.params
-            if not (p.has_penalties or p.min_new_tokens):
-                continue
-            seen, drafted = self._history(b, req, n, vocab)     # [n, V] counts over prompt+output, output
-            if p.repetition_penalty != 1.0:
-                # transformers' rule over prompt and output: shrink positive logits, grow negative ones.
-                vals = logits[rows]
-                hit = seen > 0
-                logits[rows] = torch.where(hit, torch.where(vals > 0, vals / p.repetition_penalty,
-                                                            vals * p.repetition_penalty), vals)
-            if p.frequency_penalty or p.presence_penalty:
-                # OpenAI's rule, over generated tokens only.
-                logits[rows] -= p.frequency_penalty * drafted + p.presence_penalty * (drafted > 0)
+            if p.has_penalties:
+                self._penalize(logits, rows, b, req, n, vocab)
             if p.min_new_tokens and not p.ignore_eos:
                 blocked = self.positions[rows] < p.min_new_tokens
                 ids = [t for t in self.eos_ids + list(p.stop_token_ids) if t < vocab]
                 if ids:
                     sub = logits[rows]                                  # a view: written in place
                     sub[:, ids] = torch.where(blocked[:, None], float("-inf"), sub[:, ids])
+            if p.logit_bias:
+                ids = torch.tensor([int(t) for t in p.logit_bias], device=logits.device)
+                sub = logits[rows]
+                sub[:, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+        if self.bitmask is not None:
+            from engine.grammar import apply_bitmask
+
+            apply_bitmask(logits, *self.bitmask)
         return logits
+
+    def _penalize(self, logits: torch.Tensor, rows: slice, b: int, req: Sampled, n: int, vocab: int) -> None:
+        seen, drafted = self._history(b, req, n, vocab)     # [n, V] counts over prompt+output, output
+        p = req.params
+        if p.repetition_penalty != 1.0:
+            # transformers' rule over prompt and output: shrink positive logits, grow negative ones.
+            vals = logits[rows]
+            hit = seen > 0
+            logits[rows] = torch.where(hit, torch.where(vals > 0, vals / p.repetition_penalty,
+                                                        vals * p.repetition_penalty), vals)
+        if p.frequency_penalty or p.presence_penalty:
+            # OpenAI's rule, over generated tokens only.
+            logits[rows] -= p.frequency_penalty * drafted + p.presence_penalty * (drafted > 0)
 
     def _history(self, b: int, req: Sampled, n: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Token counts per row [n, V]: over prompt + output + path, and over output + path."""
@@ -133,8 +163,7 @@ class SamplingBatch:
         if self.all_greedy:
             return _one_hot(logits.argmax(-1), logits.shape[-1])
         vocab = logits.shape[-1]
-        temps = self._row("temp", [r.params.temperature if not r.params.greedy else 1.0 for r in self.reqs],
-                          torch.float32)
+        temps = self.temperatures
         probs = torch.softmax(logits / temps[:, None], dim=-1)
         params = [r.params for r in self.reqs]
         if any(0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0 for p in params if not p.greedy):
@@ -158,6 +187,19 @@ class SamplingBatch:
         keep[:, 0] = True
         out = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
         return out / out.sum(-1, keepdim=True)
+
+    def logprobs(self, logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, top_n: int) -> torch.Tensor:
+        """Log-probabilities of tokens[k] at logits row rows[k], and the top_n best there, packed per
+        row as [logprob, top_n values, top_n ids] in float64 (ids are exact below 2**53), ready for the
+        step's host transfer. The distribution is the one sampling starts from: after penalties,
+        logit_bias, grammar and temperature (greedy rows: 1), before top-k/top-p/min-p truncation,
+        which would leave every alternative at -inf (SGLang's definition)."""
+        lp = torch.log_softmax(self.adjust(logits)[rows] / self.temperatures[rows, None], dim=-1)
+        chosen = lp.gather(1, tokens[:, None]).double()
+        if not top_n:
+            return chosen
+        values, ids = lp.topk(min(top_n, lp.shape[-1]), dim=-1)
+        return torch.cat([chosen, values.double(), ids.double()], dim=1)
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """Next token per row [R]: the argmax for greedy rows, a draw (stream 0) for the others."""
@@ -202,3 +244,14 @@ def uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream) -> torch.Tens
     h = _mix(seeds.to(torch.int64) * _GOLDEN + positions.to(torch.int64))
     h = _mix(h + (torch.as_tensor(stream, dtype=torch.int64, device=h.device) + 1) * _GOLDEN)
     return _shr(h, 11).double() * 2.0 ** -53
+
+
+# Reported instead of -inf (a token the grammar or min_new_tokens rules out): JSON has no infinity.
+LOGPROB_FLOOR = -9999.0
+
+
+def unpack_logprobs(row: list[float], top_n: int) -> tuple[float, list[tuple[int, float]]]:
+    """One row of SamplingBatch.logprobs on the host: (logprob, [(token id, logprob)] best first)."""
+    k = (len(row) - 1) // 2 if top_n else 0
+    return max(row[0], LOGPROB_FLOOR), [(int(t), max(v, LOGPROB_FLOOR))
+                                        for v, t in zip(row[1:1 + k], row[1 + k:1 + 2 * k])][:top_n]

@@ -11,6 +11,9 @@ INT_MAX = 2 ** 31 - 1            # integer parameters fit in int32 wherever the 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024             # entries: OpenAI's own limit is 300
+# Grammar constraints (SGLang's names), at most one per request; compiled by engine/grammar.py.
+CONSTRAINTS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 def text_problem(text: str, allow_nul: bool = False) -> Optional[str]:
@@ -46,6 +49,11 @@ class SamplingParams:
     no_stop_trim: bool = False            # keep the matched stop string in the text
     seed: Optional[int] = None
     n: int = 1
+    logit_bias: Optional[dict[str, float]] = None     # token id (as a string, OpenAI's form) -> added to its logit
+    json_schema: Optional[str] = None                 # a JSON schema, as JSON text
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None                        # xgrammar's EBNF (GBNF)
+    structural_tag: Optional[str] = None              # an xgrammar structural tag, as JSON text
 
     @classmethod
     def from_dict(cls, values: Optional[dict[str, Any]]) -> "SamplingParams":
@@ -107,11 +115,47 @@ class SamplingParams:
             raise RequestError("stop_token_ids must be a list of token ids (integers >= 0).", "stop_token_ids")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise RequestError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids.", "stop_token_ids")
+        self._validate_logit_bias()
+        self._validate_constraint()
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias must map token ids to numbers, at most {MAX_LOGIT_BIAS} of them.",
+                               "logit_bias")
+        for key, value in bias.items():
+            if not (isinstance(key, str) and key.isdigit() and key == str(int(key)) and int(key) <= INT_MAX):
+                raise RequestError(f"logit_bias keys must be token ids written as strings, got {key!r}.", "logit_bias")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise RequestError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for {key}.",
+                                   "logit_bias")
+
+    def _validate_constraint(self) -> None:
+        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+        for name in given:
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise RequestError(f"{name} must be a non-empty string.", name)
+        if len(given) > 1:
+            raise RequestError(f"Pass at most one of {', '.join(CONSTRAINTS)}; got {' and '.join(given)}.", given[1])
+        # The grammar decides where the output ends: it allows EOS exactly where the text is complete.
+        if given and self.ignore_eos:
+            raise RequestError(f"ignore_eos cannot be combined with {given[0]}: the grammar ends the output.",
+                               "ignore_eos")
+        if given and self.min_new_tokens:
+            raise RequestError(f"min_new_tokens cannot be combined with {given[0]}: the grammar decides the "
+                               "length.", "min_new_tokens")
 
     @property
     def greedy(self) -> bool:
         # Below 1e-5 (SGLang's cut-off) dividing logits by the temperature overflows float32.
         return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def constraint(self) -> Optional[tuple[str, str]]:
+        """(kind, text) of the grammar constraint, if any."""
+        return next(((name, getattr(self, name)) for name in CONSTRAINTS if getattr(self, name) is not None), None)
 
     @property
     def has_penalties(self) -> bool:

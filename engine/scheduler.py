@@ -185,8 +185,8 @@ class Scheduler:
         self.kv.commit(reqs, lens, step.slots)
         self.stats["prefill_tokens"] += sum(lens)
         self._keep_captured(reqs, result)
-        for req, tokens in zip(reqs, result.tokens):
-            if tokens and not self._append(req, tokens):
+        for req, tokens, logprobs in zip(reqs, result.tokens, result.logprobs or [None] * len(reqs)):
+            if tokens and not self._append(req, tokens, logprobs):
                 self.running.append(req)
         return done
 
@@ -249,8 +249,8 @@ class Scheduler:
                 req.spec_accepted_tokens += drafts
                 self.spec_stats.record(drafts)
         self._keep_captured(step.reqs, result)
-        for req, tokens in zip(step.reqs, result.tokens):
-            self._append(req, tokens)               # a request that finishes leaves self.running
+        for req, tokens, logprobs in zip(step.reqs, result.tokens, result.logprobs or [None] * len(step.reqs)):
+            self._append(req, tokens, logprobs)     # a request that finishes leaves self.running
 
     def _keep_captured(self, reqs: Sequence[Request], result: StepResult) -> None:
         if result.captured is not None:
@@ -274,15 +274,20 @@ class Scheduler:
         log.debug("retracted %s after %d tokens (KV full)", req.rid, req.num_output)
 
     # ------------------------------------------------------------------ output and stopping
-    def _append(self, req: Request, tokens: Sequence[int]) -> bool:
-        """Append tokens one at a time until one finishes the request; True when it finished. A failure
-        here (detokenizing, say) ends this request alone."""
+    def _append(self, req: Request, tokens: Sequence[int], logprobs: Optional[Sequence] = None) -> bool:
+        """Append tokens one at a time (with their logprobs, advancing the grammar) until one finishes
+        the request; True when it finished. A failure here (detokenizing, say) ends this request alone."""
         try:
-            for tok in tokens:
+            for i, tok in enumerate(tokens):
                 req.token_ids.append(tok)
+                if logprobs is not None:
+                    req.output_logprobs.append(logprobs[i])
                 if req.first_token_time is None:
                     req.first_token_time = time.perf_counter()
                 req.text += req.detok.step(req.token_ids)
+                if req.grammar is not None and not req.grammar.accept_token(tok):
+                    # Masks allow only what the grammar accepts: this is a bug, not the client's doing.
+                    raise RuntimeError(f"the grammar refused committed token {tok}")
                 reason = self._stop_reason(req, tok)
                 if reason is not None:
                     self._finish(req, reason)

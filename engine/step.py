@@ -42,3 +42,5 @@ class StepResult:
     kept: Optional[torch.Tensor] = None      # decode: [B, S] bool, the slots of those tokens in order
     drafts: Optional[list[int]] = None       # speculative decode: draft tokens accepted per request
     captured: Optional[list] = None          # per request, hidden states to keep (Request.captured)
+    # Per request asking for them (else None): per new token, (logprob, [(token id, logprob)] best first).
+    logprobs: Optional[list] = None

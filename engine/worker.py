@@ -18,7 +18,8 @@ import torch
 
 from engine.forward_batch import make_batch
 from engine.model_runner import ForwardOutput, ModelRunner
-from engine.sampling import PathTokens, SamplingBatch
+from engine.grammar import row_bitmask
+from engine.sampling import PathTokens, SamplingBatch, unpack_logprobs
 from engine.speculative.drafter import Drafter
 from engine.speculative.tree import TreeBatch
 from engine.speculative.verify import verify
@@ -61,8 +62,18 @@ class Worker:
         ends = torch.tensor(lens).cumsum(0) - 1
         out = self.target.forward(batch, ends[done].to(self.table.device))
         first: list[int] = []
+        logprobs = None
         if done:
-            first = SamplingBatch([reqs[i] for i in done], self.eos_ids, self.table.device).sample(out.logits).tolist()
+            finishing = [reqs[i] for i in done]
+            sb = SamplingBatch(finishing, self.eos_ids, self.table.device,
+                               bitmask=row_bitmask(finishing, [1] * len(done), out.logits.shape[-1]))
+            ids = sb.sample(out.logits)
+            rows = torch.arange(len(done), device=ids.device)[:, None]
+            ints, floats = _to_host(ids[:, None], _logprobs(sb, out.logits, finishing, rows, ids[:, None]))
+            first = [h[0] for h in ints]
+            if floats is not None:
+                per_done = dict(zip(done, _unpack(finishing, floats, [1] * len(done), 1)))
+                logprobs = [per_done.get(i) for i in range(len(reqs))]
         sampled = dict(zip(done, first))
         next_tokens = [sampled[i] if i in sampled else r.token_ids[r.kv_len + n] for i, (r, n) in enumerate(zip(reqs, lens))]
         if self.drafter:
@@ -73,7 +84,8 @@ class Worker:
             if done:
                 argmax[ends[done].to(argmax.device)] = out.logits.argmax(-1)
             captured = self._captured(out, torch.arange(len(argmax), device=argmax.device), lens, reqs, argmax)
-        return StepResult([[sampled[i]] if i in sampled else [] for i in range(len(reqs))], list(lens), captured=captured)
+        return StepResult([[sampled[i]] if i in sampled else [] for i in range(len(reqs))], list(lens), captured=captured,
+                          logprobs=logprobs)
 
     # ------------------------------------------------------------------ decode
     def _decode(self, step: DecodeStep) -> StepResult:
@@ -95,15 +107,33 @@ class Worker:
                                flat(tree.tokens), flat(slots[:, :tree.width]), tree.sizes,
                                positions=flat(kv[:, None] + depth), masks=None if tree.is_chain else tree.ancestors,
                                capture_hidden=self._capture_hidden)
+        # Grammar masks are walked on the host along the trees: a host copy of the drafted trees, in
+        # steps with a constrained request only, taken before the forward so that the walk overlaps it.
+        grammar_trees = (tree.tokens.tolist(), tree.parents.tolist()) if tree.width > 1 and any(
+            r.grammar is not None for r in reqs) else (None, None)
         out = self.target.forward(batch, all_logits=True, decode=True)
         sb = SamplingBatch(reqs, self.eos_ids, device, rows_per_req=tree.sizes, depth=flat(depth),
-                           paths=PathTokens(tree.ancestors, tree.tokens) if tree.width > 1 else None)
+                           paths=PathTokens(tree.ancestors, tree.tokens) if tree.width > 1 else None,
+                           bitmask=row_bitmask(reqs, tree.sizes, out.logits.shape[-1], *grammar_trees))
         rejection = [self.rejection and tree.draft_probs is not None and not r.params.greedy for r in reqs]
         accepted = verify(tree, out.logits, sb, rejection)
-        # The step's one host synchronisation: accepted lengths, bonus tokens and accepted paths.
         path_tokens = tree.tokens.gather(1, accepted.index)
         width = accepted.index.shape[1]
-        host = torch.cat([accepted.length[:, None], accepted.bonus[:, None], accepted.index, path_tokens], 1).tolist()
+        rows = None
+        if self.capture or any(r.return_logprob for r in reqs):
+            # Emitted token i of request b: the drafted child on the accepted path, then the bonus; its
+            # distribution is that of path node i, the flat logits row starts[b] + index[b, i].
+            sizes = torch.tensor(tree.sizes, device=device)
+            rows = (sizes.cumsum(0) - sizes)[:, None] + accepted.index
+        logprobs = None
+        if any(r.return_logprob for r in reqs):
+            emitted = torch.where(torch.arange(width, device=device)[None, :] == accepted.length[:, None] - 1,
+                                  accepted.bonus[:, None], torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], 1))
+            logprobs = _logprobs(sb, out.logits, reqs, rows, emitted)
+        # The step's one host synchronisation: accepted lengths, bonus tokens, accepted paths, and the
+        # emitted tokens' logprobs where asked.
+        host, floats = _to_host(torch.cat([accepted.length[:, None], accepted.bonus[:, None], accepted.index,
+                                           path_tokens], 1), logprobs)
         lengths = [h[0] for h in host]
         paths = [h[2:2 + n] for h, n in zip(host, lengths)]
         tokens = [h[3 + width:2 + width + n] + [h[1]] for h, n in zip(host, lengths)]
@@ -115,11 +145,9 @@ class Worker:
             self.drafter.after_verify(step, out, tree.sizes, paths, tokens)
         captured = None
         if self.capture:
-            sizes = torch.tensor(tree.sizes, device=device)
-            rows = ((sizes.cumsum(0) - sizes)[:, None] + accepted.index)[on_path]
-            captured = self._captured(out, rows, lengths, reqs, out.logits[rows].argmax(-1))
+            captured = self._captured(out, rows[on_path], lengths, reqs, out.logits[rows[on_path]].argmax(-1))
         return StepResult(tokens, lengths, kept=kept, drafts=[n - 1 for n in lengths] if self.drafter else None,
-                          captured=captured)
+                          captured=captured, logprobs=None if floats is None else _unpack(reqs, floats, lengths, width))
 
     def _nodes_as_decode_rows(self, reqs, tree: TreeBatch, slots: torch.Tensor):
         """The tree verified as decode rows, SGLang's "decode" attention mode: node i of request b is a
@@ -143,3 +171,33 @@ class Worker:
         final = out.hidden.index_select(0, rows)
         return [(r.kv_len, a, f, m) for r, a, f, m in zip(reqs, aux.split(list(lens)), final.split(list(lens)),
                                                           argmax.split(list(lens)))]
+
+
+def _logprobs(sb: SamplingBatch, logits: torch.Tensor, reqs, rows: torch.Tensor, tokens: torch.Tensor):
+    """Packed logprobs (SamplingBatch.logprobs) of tokens [B, K] at logits rows [B, K], [B, K * width];
+    None when no request asked. Computed for every row of the batch: one batched op, on K rows each."""
+    asking = [r for r in reqs if r.return_logprob]
+    if not asking:
+        return None
+    packed = sb.logprobs(logits, rows.flatten(), tokens.flatten(), max(r.top_logprobs_num for r in asking))
+    return packed.view(rows.shape[0], -1)
+
+
+def _to_host(ints: torch.Tensor, floats: Optional[torch.Tensor]):
+    """One device-to-host copy of a step's integers [B, K] and, when logprobs were asked, floats [B, F]:
+    (int rows, float rows or None)."""
+    if floats is None:
+        return ints.tolist(), None
+    k = ints.shape[1]
+    rows = torch.cat([ints.double(), floats], 1).tolist()
+    return [[int(x) for x in r[:k]] for r in rows], [r[k:] for r in rows]
+
+
+def _unpack(reqs, floats: list[list[float]], counts: Sequence[int], positions: int) -> list:
+    """Per request: None, or the logprobs of its first counts[b] emitted tokens (of `positions` packed)."""
+    out = []
+    for req, row, n in zip(reqs, floats, counts):
+        width = len(row) // positions
+        out.append([unpack_logprobs(row[i * width:(i + 1) * width], req.top_logprobs_num) for i in range(n)]
+                   if req.return_logprob else None)
+    return out

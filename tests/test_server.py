@@ -343,9 +343,33 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "n": 0}, 400, None),
     ("/v1/chat/completions", {**CHAT, "n": 1000}, 400, "n"),
     ("/v1/chat/completions", {**CHAT, "stop": [""]}, 400, None),
-    ("/v1/chat/completions", {**CHAT, "logprobs": True}, 400, "logprobs"),
+    # Issue 19's cases: logprobs, grammars, logit_bias and tools the server cannot honour.
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]}, 400,
+     "tools.0.function.name"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, 400, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}, "regex": "a"}, 400,
+     "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}, "ignore_eos": True}, 400,
+     "ignore_eos"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}, "min_tokens": 2}, 400,
+     "min_tokens"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 200}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2, "echo": True}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "regex": "("}, 400, "regex"),
+    ("/generate", {"text": "hi", "sampling_params": {"json_schema": "{"}}, 400, "json_schema"),
+    ("/generate", {"text": "hi", "sampling_params": {"ebnf": "root ::= "}}, 400, "ebnf"),
+    ("/generate", {"text": "hi", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}, 400, "ebnf"),
+    ("/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": 21}, 400, "top_logprobs_num"),
     ("/v1/chat/completions", {**CHAT, "frobnicate": 1}, 400, "frobnicate"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
@@ -668,6 +692,13 @@ def test_ngram_metrics_report_accept_length(model_dir):
     assert m["spec_accept_length_avg"] == pytest.approx(info["avg_spec_accept_length"]) and m["spec_accept_length_avg"] >= 1.0
     assert [m[f'spec_accept_rate_by_position{{position="{d}"}}'] for d in range(1, 5)] == \
         pytest.approx(info["spec_accept_by_position"])
+
+
+def test_ready_line_names_the_tree_chosen_for_the_model(model_dir, capsys):
+    with serve(_args(model_dir, speculative_algorithm="NGRAM")) as s:
+        tree = s.engine.args.speculative_tree
+    ready = [line for line in capsys.readouterr().out.splitlines() if "ready at" in line][0]
+    assert "None" not in ready and f"steps {tree[0]}, topk {tree[1]}, draft tokens {tree[2]}" in ready
 
 
 # ---------------------------------------------------------------------------------------- process lifecycle

@@ -18,8 +18,18 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
+# A chat template that offers tools and writes calls in the Qwen / Hermes format, as Qwen2.5's does.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>You may call these tools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
+    "Call one as <tool_call>\n{\"name\": ..., \"arguments\": ...}\n</tool_call></s>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>{% endfor %}</s>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
-def make_tokenizer(path: Path):
+
+def make_tokenizer(path: Path, chat_template: str = CHAT_TEMPLATE):
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -28,13 +38,14 @@ def make_tokenizer(path: Path):
                             special_tokens=["<s>", "</s>", "<pad>"], show_progress=False)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<s>", eos_token="</s>",
                                   pad_token="<pad>")
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = chat_template
     tok.save_pretrained(path)
     return tok
 
 
 def make_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden: int = 64, vocab: int = 320,
-               seed: int = 0, max_pos: int = 512, tie: bool = False, dtype=torch.float32, **extra):
+               seed: int = 0, max_pos: int = 512, tie: bool = False, dtype=torch.float32,
+               chat_template: str = CHAT_TEMPLATE, **extra):
     """Save a random model of `arch` (llama, qwen2, qwen3, mistral) with the tiny tokenizer; return its dir."""
     import transformers as tf
 
@@ -47,7 +58,7 @@ def make_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden: int 
                         bos_token_id=0, eos_token_id=1, pad_token_id=2, **extra)
     if arch == "qwen3":
         config.head_dim = hidden // 4
-    return _save_random(path, model_cls, config, seed, dtype)
+    return _save_random(path, model_cls, config, seed, dtype, chat_template)
 
 
 def make_deepseek_v3(path: Path, *, layers: int = 3, hidden: int = 64, vocab: int = 320, seed: int = 0,
@@ -66,7 +77,7 @@ def make_deepseek_v3(path: Path, *, layers: int = 3, hidden: int = 64, vocab: in
     return _save_random(path, tf.DeepseekV3ForCausalLM, config, seed, torch.float32)
 
 
-def _save_random(path: Path, model_cls, config, seed: int, dtype) -> Path:
+def _save_random(path: Path, model_cls, config, seed: int, dtype, chat_template: str = CHAT_TEMPLATE) -> Path:
     torch.manual_seed(seed)
     model = model_cls(config).to(dtype)
     # Larger weights than the default init give peaked, varied distributions: greedy paths that do not
@@ -80,7 +91,7 @@ def _save_random(path: Path, model_cls, config, seed: int, dtype) -> Path:
                 b.normal_(0.0, 0.1)
     path = Path(path)
     model.save_pretrained(path)
-    make_tokenizer(path)
+    make_tokenizer(path, chat_template)
     return path
 
 

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from engine.config import ServerArgs
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
+from engine.server import logprobs as lp_format
 from engine.server import openai_api
 from engine.server.errors import APIError, error_response, error_responses, install_error_handlers
 from engine.server.limits import BodyLimit
@@ -143,12 +144,14 @@ def _router(serving: Serving) -> APIRouter:
             prompts = await serving.tokenizer.encode(texts)
         else:
             prompts = [list(body.input_ids)] if single_ids else [list(x) for x in body.input_ids]
-        reqs = serving.make_requests(prompts, body.sampling_params or {},
-                                     default_max_tokens=SamplingParams.max_new_tokens)
+        reqs = await serving.make_requests(prompts, body.sampling_params or {},
+                                           default_max_tokens=SamplingParams.max_new_tokens,
+                                           return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num)
         single = (single_text or single_ids) and len(reqs) == 1
+        texts = serving.tokenizer if body.return_logprob and body.return_text_in_logprobs else None
         sub = serving.submit(reqs)
         if body.stream:
-            return serving.stream(sub, _generate_events(sub, single))
+            return serving.stream(sub, _generate_events(sub, single, texts))
         outs = await serving.wait(sub, http)
         if outs is None:
             return Response(status_code=499)
@@ -156,19 +159,29 @@ def _router(serving: Serving) -> APIRouter:
             err = engine_abort(out)
             if err is not None:
                 raise err
+        outs = [await _with_texts(o, texts) for o in outs]
         return JSONResponse(outs[0] if single else [{**o, "index": i} for i, o in enumerate(outs)])
 
     return router
 
 
-async def _generate_events(sub, single: bool):
+async def _with_texts(out: dict, tokenizer) -> dict:
+    """The output with token texts in its logprobs, when return_text_in_logprobs asked for them."""
+    if tokenizer is None:
+        return out
+    texts = await lp_format.texts_for(tokenizer, out["meta_info"])
+    return {**out, "meta_info": lp_format.with_texts(out["meta_info"], texts)}
+
+
+async def _generate_events(sub, single: bool, tokenizer):
     async for ready in sub.updates():
         for i in ready:
             err = engine_abort(sub.latest[i])
             if err is not None:
                 yield error_event(err)
                 return
-            yield sub.latest[i] if single else {**sub.latest[i], "index": i}
+            out = await _with_texts(sub.latest[i], tokenizer)
+            yield out if single else {**out, "index": i}
 
 
 class APIKeyMiddleware:

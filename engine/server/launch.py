@@ -82,7 +82,7 @@ class Server(uvicorn.Server):
             host = self.servers[0].sockets[0].getsockname()[0]
             url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
             print(f"spec serve: ready at {url} | model {self.config.app.state.serving.model_name} | "
-                  f"speculative: {describe_speculative(self.args)}", flush=True)
+                  f"speculative: {describe_speculative(self.config.app.state.serving.args)}", flush=True)
 
     @contextlib.contextmanager
     def capture_signals(self):

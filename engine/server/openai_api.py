@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import AsyncIterator, Optional, Sequence
@@ -9,8 +10,10 @@ from typing import AsyncIterator, Optional, Sequence
 from fastapi import APIRouter, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
+from engine.server import logprobs as lp_format
+from engine.server import tool_calls
 from engine.server.engine_loop import Submission, finish_type
-from engine.server.errors import error_responses
+from engine.server.errors import APIError, error_responses
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.serving import Serving, engine_abort, error_event
 
@@ -22,6 +25,8 @@ STREAMED = {200: {"content": {"text/event-stream": {}}}}
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # OpenAI's names for SGLang's sampling parameters, for error messages.
 OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+# response_format json_object: any JSON object (xgrammar's strict mode would otherwise allow only {}).
+ANY_OBJECT = json.dumps({"type": "object", "additionalProperties": True})
 
 
 @router.post("/v1/chat/completions", responses=STREAMED | error_responses(400, 503))
@@ -29,19 +34,70 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     serving: Serving = http.app.state.serving
     serving.check_body(body)
     serving.check_count(body.n, "n")
-    prompt = await serving.chat_prompt(body.messages)
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
+    tools = _offered_tools(body, serving)
+    compact = serving.args.constrained_json_disable_any_whitespace
+    sampling = body.sampling_params(body.max_completion_tokens or body.max_tokens) | _constraint(body, tools, compact)
+    prompt = await serving.chat_prompt(body.messages, [t.model_dump(exclude_none=True) for t in tools] if tools else None)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    reqs = serving.make_requests([prompt], body.sampling_params(body.max_completion_tokens or body.max_tokens),
-                                 default_max_tokens=serving.context_len,
-                                 names={**OPENAI_NAMES, "max_new_tokens": param})
-    shape = _Shape("chatcmpl", "chat.completion", serving.model_name, [len(prompt)])
+    names = {**OPENAI_NAMES, "max_new_tokens": param, "json_schema": "response_format", "structural_tag": "tools"}
+    reqs = await serving.make_requests([prompt], sampling, default_max_tokens=serving.context_len, names=names,
+                                       return_logprob=bool(body.logprobs), top_logprobs_num=body.top_logprobs or 0)
+    shape = _Shape("chatcmpl", "chat.completion", serving, [len(prompt)], bool(body.logprobs), tools=bool(tools))
     return await _respond(serving, http, reqs, body.stream, body.include_usage, shape, [""] * len(reqs))
+
+
+def _offered_tools(body: ChatCompletionRequest, serving: Serving) -> Optional[list]:
+    """The tools the prompt offers (None: none), after checking tools and tool_choice."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools to choose from.", param="tool_choice")
+        return None
+    if choice == "none":
+        return None
+    if not tool_calls.template_speaks_tools(getattr(serving.tokenizer.hf, "chat_template", None)):
+        raise APIError(400, f"The model {serving.model_name!r} has no chat template for tools in the Qwen/Hermes "
+                            "<tool_call> format, the one this server parses; leave tools out.", param="tools",
+                       code="unsupported_parameter")
+    names = [t.function.name for t in body.tools]
+    if len(set(names)) < len(names):
+        raise APIError(400, "Tool names must be unique.", param="tools")
+    if choice not in (None, "auto", "required") and choice.function.name not in names:
+        raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools.",
+                       param="tool_choice")
+    return body.tools
+
+
+def _constraint(body: ChatCompletionRequest, tools: Optional[list], compact: bool) -> dict:
+    """The grammar that response_format or tool_choice asks for, as SGLang sampling params."""
+    fmt, choice = body.response_format, body.tool_choice
+    if fmt is None or fmt.type == "text":
+        if not tools or choice in (None, "auto"):
+            return {}
+        return {"structural_tag": tool_calls.structural_tag(tools, choice, body.parallel_tool_calls is not False,
+                                                            compact)}
+    if tools:
+        raise APIError(400, "response_format cannot be combined with tools here: a JSON answer rules out tool "
+                            "calls. Pass tool_choice 'none', or leave one of them out.", param="response_format")
+    if body.json_schema is not None or body.regex is not None or body.ebnf is not None:
+        raise APIError(400, "Pass response_format or one of json_schema, regex and ebnf, not both.",
+                       param="response_format")
+    if fmt.type == "json_object":
+        return {"json_schema": ANY_OBJECT}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise APIError(400, "response_format of type json_schema needs json_schema.schema.", param="response_format")
+    return {"json_schema": json.dumps(fmt.json_schema.schema_)}
 
 
 @router.post("/v1/completions", responses=STREAMED | error_responses(400, 503))
 async def completions(body: CompletionRequest, http: HTTPRequest):
     serving: Serving = http.app.state.serving
     serving.check_body(body)
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "logprobs with echo would need the prompt's logprobs, which this server does not "
+                            "compute; drop echo or logprobs.", param="logprobs", code="unsupported_parameter")
     prompt = body.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
@@ -50,23 +106,25 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
         prompts = await serving.tokenizer.encode(prompt)
     else:
         prompts = [list(p) for p in prompt]
-    reqs = serving.make_requests(prompts, body.sampling_params(body.max_tokens),
-                                 default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS, names=OPENAI_NAMES)
+    reqs = await serving.make_requests(prompts, body.sampling_params(body.max_tokens),
+                                       default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS, names=OPENAI_NAMES,
+                                       return_logprob=body.logprobs is not None, top_logprobs_num=body.logprobs or 0)
     echoes = [""] * len(reqs)
     if body.echo:
         texts = prompt if isinstance(prompt[0], str) else await serving.tokenizer.decode(prompts)
         echoes = [texts[i // body.n] for i in range(len(reqs))]
-    shape = _Shape("cmpl", "text_completion", serving.model_name, [len(p) for p in prompts])
+    shape = _Shape("cmpl", "text_completion", serving, [len(p) for p in prompts], body.logprobs is not None)
     return await _respond(serving, http, reqs, body.stream, body.include_usage, shape, echoes)
 
 
 class _Shape:
     """What differs between chat and text completion responses, and the fields they share."""
 
-    def __init__(self, id_prefix: str, obj: str, model: str, prompt_lens: Sequence[int]):
-        self.chat = obj == "chat.completion"
+    def __init__(self, id_prefix: str, obj: str, serving: Serving, prompt_lens: Sequence[int], logprobs: bool,
+                 tools: bool = False):
+        self.chat, self.tokenizer, self.logprobs, self.tools = obj == "chat.completion", serving.tokenizer, logprobs, tools
         self.base = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
-                     "model": model}
+                     "model": serving.model_name}
         self.prompt_tokens = sum(prompt_lens)
 
     def usage(self, outs: Sequence[Optional[dict]]) -> dict:
@@ -74,20 +132,37 @@ class _Shape:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
                 "total_tokens": self.prompt_tokens + done}
 
-    def choice(self, index: int, text: str, out: dict) -> dict:
-        reason = out["meta_info"]["finish_reason"]
-        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        return {"index": index, **body, "logprobs": None, "finish_reason": reason["type"],
-                "matched_stop": reason.get("matched")}
-
-    def chunk(self, index: int, text: Optional[str], reason: Optional[str], role: bool = False) -> dict:
+    async def token_logprobs(self, out: dict, start: int, end: int, offset: int) -> Optional[dict]:
+        """The choice's logprobs for output tokens start..end (`offset`: where token start's text begins)."""
+        if not self.logprobs:
+            return None
+        texts = await lp_format.texts_for(self.tokenizer, out["meta_info"], start)
         if self.chat:
-            delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-            choice = {"index": index, "delta": delta}
+            return lp_format.chat(out["meta_info"], start, end, texts)
+        return lp_format.completion(out["meta_info"], start, end, texts, offset)
+
+    async def choice(self, index: int, text: str, out: dict, echo: str) -> dict:
+        reason = out["meta_info"]["finish_reason"]
+        finish = reason["type"]
+        if self.chat:
+            message: dict = {"role": "assistant", "content": text}
+            if self.tools:
+                content, calls = tool_calls.ToolCallParser().feed(text, final=True)
+                message = {"role": "assistant", "content": content if content or not calls else None} | (
+                    {"tool_calls": calls} if calls else {})
+                finish = "tool_calls" if calls and finish == "stop" else finish
+            body = {"message": message}
         else:
-            choice = {"index": index, "text": text or ""}
+            body = {"text": echo + text}
+        logprobs = await self.token_logprobs(out, 0, len(out["output_ids"]), len(echo))
+        return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish, "matched_stop": reason.get("matched")}
+
+    def chunk(self, index: int, delta: dict, reason: Optional[str], logprobs: Optional[dict] = None) -> dict:
+        """delta: chat's delta fields ({"content": ...}, {"tool_calls": [...]}, {"role": ...}), or for text
+        completions {"text": ...}."""
+        choice = {"index": index, "delta": delta} if self.chat else {"index": index, "text": delta.get("text", "")}
         return {**self.base, "object": self.base["object"] + (".chunk" if self.chat else ""),
-                "choices": [{**choice, "logprobs": None, "finish_reason": reason}]}
+                "choices": [{**choice, "logprobs": logprobs, "finish_reason": reason}]}
 
 
 async def _respond(serving: Serving, http: HTTPRequest, reqs, stream: bool, include_usage: bool, shape: _Shape,
@@ -102,15 +177,20 @@ async def _respond(serving: Serving, http: HTTPRequest, reqs, stream: bool, incl
         err = engine_abort(out)
         if err is not None:
             raise err
-    choices = [shape.choice(i, echoes[i] + o["text"], o) for i, o in enumerate(outs)]
+    choices = [await shape.choice(i, o["text"], o, echoes[i]) for i, o in enumerate(outs)]
     return JSONResponse({**shape.base, "choices": choices, "usage": shape.usage(outs)})
 
 
 async def _chunks(sub: Submission, shape: _Shape, include_usage: bool, echoes: Sequence[str]) -> AsyncIterator[dict]:
-    sent = [0] * len(sub.rids)
+    n = len(sub.rids)
+    sent, tokens_sent, calls_sent = [0] * n, [0] * n, [0] * n
+    offsets = [len(e) for e in echoes]
+    parsers = [tool_calls.ToolCallParser() if shape.tools else None for _ in range(n)]
     for i, echo in enumerate(echoes):         # opens each choice before the first token arrives
-        if shape.chat or echo:
-            yield shape.chunk(i, echo, None, role=shape.chat)
+        if shape.chat:
+            yield shape.chunk(i, {"role": "assistant", "content": ""}, None)
+        elif echo:
+            yield shape.chunk(i, {"text": echo}, None)
     async for ready in sub.updates():
         for i in ready:
             out = sub.latest[i]
@@ -118,10 +198,23 @@ async def _chunks(sub: Submission, shape: _Shape, include_usage: bool, echoes: S
             if err is not None:
                 yield error_event(err)
                 return
-            text = out["text"]
+            text, reason = out["text"], finish_type(out)
             delta, sent[i] = text[sent[i]:], len(text)
-            reason = finish_type(out)
-            if delta or reason:
-                yield shape.chunk(i, delta, reason)
+            calls: list = []
+            if parsers[i] is not None:
+                delta, calls = parsers[i].feed(text, final=reason is not None)
+                if parsers[i].calls and reason == "stop":
+                    reason = "tool_calls"
+            end = len(out["output_ids"])
+            logprobs = await shape.token_logprobs(out, tokens_sent[i], end, offsets[i]) if end > tokens_sent[i] else None
+            if logprobs and not shape.chat:
+                offsets[i] += sum(len(t) for t in logprobs["tokens"])
+            tokens_sent[i] = end
+            if delta or calls or reason or logprobs:
+                fields = {"content": delta} if delta or not calls else {}
+                if calls:
+                    fields["tool_calls"] = [{"index": calls_sent[i] + k, **c} for k, c in enumerate(calls)]
+                    calls_sent[i] += len(calls)
+                yield shape.chunk(i, fields if shape.chat else {"text": delta}, reason, logprobs)
     if include_usage:
-        yield {**shape.chunk(0, None, None), "choices": [], "usage": shape.usage(sub.latest)}
+        yield {**shape.chunk(0, {}, None), "choices": [], "usage": shape.usage(sub.latest)}

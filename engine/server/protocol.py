@@ -2,7 +2,7 @@
 
 Unknown fields are refused (400 "Unsupported parameter") rather than silently ignored, so a client
 never believes a setting took effect when it did not. Fields OpenAI defines that this server does not
-implement are declared, so their neutral values (`logprobs: false`, `tools: []`, ...) still pass.
+implement are declared, so their neutral values (`suffix: ""`, `best_of: 1`) still pass.
 Types are strict, as OpenAI's are: `"5"` is not an integer, `1` is not a boolean, `5.0` is not a
 token count. Ranges are checked once, by SamplingParams; text is checked here for what no tokenizer
 can take.
@@ -49,6 +49,39 @@ class StreamOptions(APIBody):
     include_usage: bool = False
 
 
+class FunctionDefinition(APIBody):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Optional[Text] = None
+    parameters: Optional[dict[str, Any]] = None      # a JSON schema; none: any arguments
+    strict: Optional[bool] = None                    # arguments are always held to the schema when constrained
+
+
+class Tool(APIBody):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(APIBody):
+    name: str
+
+
+class NamedToolChoice(APIBody):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JSONSchemaFormat(APIBody):
+    name: str
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(APIBody):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+
 class _OpenAISampling(APIBody):
     """Sampling fields shared by chat and text completions (OpenAI's, plus SGLang's extensions)."""
     model: Optional[str] = None
@@ -73,6 +106,9 @@ class _OpenAISampling(APIBody):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    regex: Optional[str] = None                      # SGLang's grammar constraints
+    ebnf: Optional[str] = None
+    json_schema: Optional[str] = None
 
     def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
         """SGLang sampling_params for the engine (validated there)."""
@@ -81,7 +117,9 @@ class _OpenAISampling(APIBody):
                   "frequency_penalty": self.frequency_penalty, "top_k": self.top_k, "min_p": self.min_p,
                   "repetition_penalty": self.repetition_penalty, "min_new_tokens": self.min_tokens,
                   "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids,
-                  "skip_special_tokens": self.skip_special_tokens, "no_stop_trim": self.no_stop_trim}
+                  "skip_special_tokens": self.skip_special_tokens, "no_stop_trim": self.no_stop_trim,
+                  "logit_bias": self.logit_bias, "regex": self.regex, "ebnf": self.ebnf,
+                  "json_schema": self.json_schema}
         return {k: v for k, v in values.items() if v is not None}
 
     @property
@@ -95,35 +133,44 @@ class ContentPart(BaseModel):
     text: Optional[Text] = None
 
 
+class FunctionCall(APIBody):
+    name: str
+    arguments: str                                   # JSON text, as OpenAI sends it
+
+
+class ToolCall(APIBody):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(APIBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[Text, list[ContentPart], None] = None
     name: Optional[Text] = None
+    tool_calls: Optional[list[ToolCall]] = None      # an assistant turn's calls
+    tool_call_id: Optional[str] = None               # a tool turn's answer to that call
 
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Union[str, dict[str, Any], None] = None
-    parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[dict[str, Any]] = None
-
-    NEUTRAL = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
-               "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
-               "logit_bias": (None, {})}
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None       # default: true, as OpenAI's
+    response_format: Optional[ResponseFormat] = None
 
 
 class CompletionRequest(_OpenAISampling):
     prompt: Union[Text, list[Text], list[int], list[list[int]]]
     echo: bool = False
     suffix: Optional[str] = None
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = Field(default=None, ge=0, le=20)     # alternatives per token (OpenAI: at most 5)
     best_of: Optional[int] = None
 
-    NEUTRAL = {"suffix": (None, ""), "logprobs": (None,), "best_of": (None, 1), "logit_bias": (None, {})}
+    NEUTRAL = {"suffix": (None, ""), "best_of": (None, 1)}
 
 
 class GenerateRequest(APIBody):
@@ -133,5 +180,5 @@ class GenerateRequest(APIBody):
     sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None   # a list: one per prompt
     stream: bool = False
     return_logprob: bool = False
-
-    NEUTRAL = {"return_logprob": (False,)}
+    top_logprobs_num: int = Field(default=0, ge=0, le=20)
+    return_text_in_logprobs: bool = False

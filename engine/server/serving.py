@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 
 class Serving:
     def __init__(self, engine: Engine, args: ServerArgs):
-        self.engine, self.args = engine, args
+        # The engine's copy of the flags: resolved against the model (the tree chosen when left to auto).
+        self.engine, self.args = engine, engine.args
+        args = engine.args
         self.model_name = args.served_model_name or os.path.basename(str(args.model_path).rstrip("/"))
         self.context_len = engine.context_len
         self.tokenizer = Tokenizer(engine.tokenizer, self.context_len)
@@ -62,8 +64,9 @@ class Serving:
             raise APIError(400, f"This request asks for {generations} generations (n x prompts) but the queue holds "
                                 f"{self.args.max_queued_requests} (--max-queued-requests).", param=param)
 
-    async def chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """The model's chat template over the messages, with the assistant turn opened."""
+    async def chat_prompt(self, messages: Sequence[ChatMessage], tools: Optional[list[dict]] = None) -> list[int]:
+        """The model's chat template over the messages (and the tools offered), with the assistant turn
+        opened."""
         if not getattr(self.tokenizer.hf, "chat_template", None):
             raise APIError(400, f"The model {self.model_name!r} has no chat template; use /v1/completions with "
                                 "a plain prompt.", param="messages")
@@ -76,14 +79,23 @@ class Serving:
                     raise APIError(400, f"Message {i} has content of type {sorted(kinds)[0]!r}; this server takes "
                                         "text only.", param=f"messages.{i}.content", code="unsupported_parameter")
                 content = "".join(p.text or "" for p in content)
-            turns.append({"role": m.role, "content": content or ""} | ({"name": m.name} if m.name else {}))
-        return await self.tokenizer.encode_chat(turns, param="messages")
+            turn = {"role": m.role, "content": content or ""} | ({"name": m.name} if m.name else {})
+            if m.tool_calls:
+                turn["tool_calls"] = [_template_call(c, f"messages.{i}.tool_calls.{j}.function.arguments")
+                                      for j, c in enumerate(m.tool_calls)]
+            if m.tool_call_id is not None:
+                turn["tool_call_id"] = m.tool_call_id
+            turns.append(turn)
+        return await self.tokenizer.encode_chat(turns, param="messages", tools=tools)
 
-    def make_requests(self, prompts: Sequence[Sequence[int]], sampling: Union[dict, list[dict]], *,
-                      default_max_tokens: int, names: Optional[dict[str, str]] = None) -> list[Request]:
+    async def make_requests(self, prompts: Sequence[Sequence[int]], sampling: Union[dict, list[dict]], *,
+                            default_max_tokens: int, names: Optional[dict[str, str]] = None,
+                            **options) -> list[Request]:
         """Requests for each prompt times `n` (choice k of a seeded request samples with seed + k).
         `sampling` holds SGLang sampling_params, one dict for all prompts or one per prompt; `names` maps
-        their names to the route's own (max_new_tokens -> max_tokens) for error messages."""
+        their names to the route's own (max_new_tokens -> max_tokens) for error messages; `options`
+        are Engine.make_request's (return_logprob, top_logprobs_num). Grammars compile on a worker
+        thread: a large schema takes a while, and the event loop serves everyone."""
         names = names or {}
         if not prompts:
             raise RequestError("The prompt is empty; pass some text or token ids.")
@@ -103,8 +115,14 @@ class Serving:
             plan.append((list(ids), params))
         self.check_count(sum(params.n for _, params in plan), "n")
         base = uuid.uuid4().hex[:16]
-        return [req for i, (ids, params) in enumerate(plan)
-                for req in self.engine.make_choices(ids, params, rid=f"{base}-{i}")]
+        reqs = []
+        for i, (ids, params) in enumerate(plan):
+            try:
+                grammar = await asyncio.to_thread(self.engine.compile_grammar, params) if params.constraint else None
+            except RequestError as exc:
+                raise _renamed(exc, names) from None
+            reqs += self.engine.make_choices(ids, params, rid=f"{base}-{i}", grammar=grammar, **options)
+        return reqs
 
     def _check_fits(self, ids: list[int], max_tokens: Optional[int], param: str) -> None:
         if len(ids) >= self.context_len:
@@ -194,3 +212,12 @@ def _renamed(exc: RequestError, names: dict[str, str]) -> RequestError:
     if exc.param not in names:
         return exc
     return RequestError(str(exc).replace(exc.param, names[exc.param], 1), names[exc.param])
+
+
+def _template_call(call, param: str) -> dict:
+    """An OpenAI tool call as chat templates read it: arguments as an object, not JSON text."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise APIError(400, f"{param} must be JSON text, got {call.function.arguments[:80]!r}.", param=param) from None
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}

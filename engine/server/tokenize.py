@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
+import json
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from engine.server.errors import APIError
 
@@ -23,15 +25,18 @@ class Tokenizer:
         self.context_len = context_len
         self.max_token_bytes = _max_token_bytes(self.hf)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="spec-tokenizer")
+        self._texts: dict[int, tuple[str, bytes]] = {}
+        self._byte_level = _is_byte_level(self.hf)
 
     async def encode(self, texts: Sequence[str]) -> list[list[int]]:
         return await self._run(lambda: [self._encode(t, True) for t in texts])
 
-    async def encode_chat(self, turns: list[dict], param: str) -> list[int]:
-        """The model's chat template over the turns, with the assistant turn opened, tokenized."""
+    async def encode_chat(self, turns: list[dict], param: str, tools: Optional[list[dict]] = None) -> list[int]:
+        """The model's chat template over the turns (and the tools offered), with the assistant turn
+        opened, tokenized."""
         def run() -> list[int]:
             try:
-                text = self.hf.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+                text = self.hf.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True)
             except Exception as exc:       # jinja's TemplateError and the template's own raise_exception
                 raise APIError(400, f"The chat template rejected the messages: {exc}", param=param) from None
             return self._encode(text, False)
@@ -39,6 +44,17 @@ class Tokenizer:
 
     async def decode(self, ids: Sequence[Sequence[int]]) -> list[str]:
         return await self._run(lambda: [self.hf.decode(x) for x in ids])
+
+    async def token_texts(self, ids: Iterable[int]) -> dict[int, tuple[str, bytes]]:
+        """Each token's own text and bytes, for logprobs (cached: at most one entry per vocabulary
+        token). A token holding part of a UTF-8 character decodes to U+FFFD; its bytes are exact."""
+        missing = list(set(ids) - self._texts.keys())
+        if missing:
+            def run() -> dict:
+                pieces = self.hf.convert_ids_to_tokens(missing)
+                return {i: (self.hf.decode([i]), _piece_bytes(p, self._byte_level)) for i, p in zip(missing, pieces)}
+            self._texts.update(await self._run(run))
+        return self._texts
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
@@ -64,3 +80,28 @@ def _max_token_bytes(tokenizer) -> Optional[int]:
     if backend is None or backend.normalizer is not None:
         return None
     return max(len(t.encode("utf-8")) for t in tokenizer.get_vocab())
+
+
+def _is_byte_level(tokenizer) -> bool:
+    """GPT-2-style byte-level BPE (Llama 3, Qwen, SmolLM): token strings spell bytes as characters."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and json.loads(backend.to_str()).get("decoder", {}).get("type") == "ByteLevel"
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def _piece_bytes(piece: str, byte_level: bool) -> bytes:
+    """The bytes a token string stands for: byte-level characters mapped back, SentencePiece's
+    <0xNN> byte tokens and its word-start mark, otherwise the string's UTF-8."""
+    if byte_level:
+        decoder = _byte_decoder()
+        if all(c in decoder for c in piece):
+            return bytes(decoder[c] for c in piece)
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    return piece.replace("\u2581", " ").encode("utf-8")

@@ -24,15 +24,18 @@ Drafting a request's tree:
   and is created after it, so the kept set is a tree; a certain (single-follower) continuation keeps
   its parent's score and runs deep, while uncertain branches are dropped first.
 Drafts are deterministic: trees carry no draft_probs, and sampling verification treats them as such.
+A grammar-constrained request drafts only followers its grammar allows along the path (walked on forks
+of its matcher), which verification would otherwise reject anyway.
 """
 
 from __future__ import annotations
 
 import heapq
 from operator import itemgetter
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from engine.config import ServerArgs
+from engine.grammar import DraftGrammar
 from engine.request import Request
 from engine.speculative.drafter import Drafter
 from engine.speculative.ngram_cache import NgramCache
@@ -41,10 +44,11 @@ from engine.step import DecodeStep
 
 
 def ngram_tree(cache: NgramCache, context: Sequence[int], steps: int, budget: int,
-               breadth: Callable[[int, int], int]) -> DraftTree:
+               breadth: Callable[[int, int], int], grammar: Optional[DraftGrammar] = None) -> DraftTree:
     """A draft tree of at most `budget` nodes besides the root (`context[-1]`) and depth `steps`.
     `breadth(match_length, depth)` gives the children a node at `depth` (the root: 0) may have, for the
-    root's match length."""
+    root's match length. With a grammar, followers it refuses are passed over, so the budget goes to
+    drafts that can be accepted."""
     root = context[-1]
     ctx = tuple(context[-cache.max_window:])
     root_match, counts = cache.match(ctx)
@@ -66,7 +70,8 @@ def ngram_tree(cache: NgramCache, context: Sequence[int], steps: int, budget: in
                 continue
             total = sum(counts.values())
             # Most frequent first; reversed insertion order puts the most recent first among equals.
-            best = sorted(reversed(counts.items()), key=itemgetter(1), reverse=True)[:width]
+            ranked = sorted(reversed(counts.items()), key=itemgetter(1), reverse=True)
+            best = [(t, c) for t, c in ranked if grammar is None or grammar.allows(node, t)][:width]
             grown += [(scores[node] * (c / total), node, tok, node_ctx, match_len) for tok, c in best]
         # Stable sort: equal scores keep parent order, then follower rank.
         grown = sorted((g for g in grown if g[0] > floor), key=lambda g: -g[0])
@@ -75,6 +80,8 @@ def ngram_tree(cache: NgramCache, context: Sequence[int], steps: int, budget: in
             tokens.append(tok)
             parents.append(parent)
             scores.append(score)
+            if grammar is not None:
+                grammar.grow(len(tokens) - 1, parent, tok)
             level.append((len(tokens) - 1, (parent_ctx + (tok,))[-cache.max_window:], parent_match + 1))
         if len(scores) > budget:
             floor = heapq.nlargest(budget, scores[1:])[-1]
@@ -109,7 +116,8 @@ class NgramDrafter(Drafter):
         for req in step.reqs:                     # all first: one request's text may draft another's
             self._learn(req)
         trees = [ngram_tree(self.cache, req.token_ids[max(0, req.seq_len - self.max_window):], self.steps,
-                            self.num_draft_tokens - 1, self.breadth) for req in step.reqs]
+                            self.num_draft_tokens - 1, self.breadth,
+                            None if req.grammar is None else DraftGrammar(req.grammar)) for req in step.reqs]
         return TreeBatch.from_trees(trees, self.device)
 
     def release(self, req: Request) -> None:
