@@ -64,16 +64,17 @@ def _decode_steps(eng) -> int:
     return stats["decode_steps"]
 
 
-def measure(model: str, algo: str, batch: int, max_new: int, threads: int) -> dict:
+def measure(model: str, algo: str, batch: int, max_new: int, threads: int, tree: list) -> dict:
     import torch
 
     from engine import Engine
     from engine.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)
-    kw = {"speculative_algorithm": algo} if algo != "plain" else {}
+    kw = {} if algo == "plain" else {"speculative_algorithm": algo, **dict(zip(
+        ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"), tree))}
     eng = Engine(model_path=model, dtype="float32", max_total_tokens=64 * 1024, max_running_requests=max(batch, 1),
-                 **kw)
+                 context_length=4096, **kw)
     model_time = [0.0]
     for m in _models(eng):
         m.forward = _timed(m.forward, model_time)
@@ -115,6 +116,8 @@ def main() -> None:
     ap.add_argument("--algos", default="plain,NGRAM")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tree", default="5,4,8", help="steps,topk,draft tokens of speculative runs (the same "
+                    "for both checkouts: their defaults may differ)")
     ap.add_argument("--other-checkout", type=Path, help="another commit's worktree, measured interleaved")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -130,7 +133,8 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for algo in a.algos.split(","):
         for batch in map(int, a.batch_sizes.split(",")):
-            case = {"model": a.model, "algo": algo, "batch": batch, "max_new": a.max_new_tokens, "threads": a.threads}
+            case = {"model": a.model, "algo": algo, "batch": batch, "max_new": a.max_new_tokens, "threads": a.threads,
+                    "tree": [int(x) for x in a.tree.split(",")]}
             runs = [("this", HERE)] + ([("other", a.other_checkout.resolve())] if a.other_checkout else [])
             for name, checkout in runs:
                 r = _run_child(checkout, case)
