@@ -169,6 +169,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--eagle3", action="append", default=[], metavar="MODEL=DIR",
                     help="an EAGLE-3 head for a model, e.g. smollm2-135m=drafts/smollm2-eagle3")
+    ap.add_argument("--quantization", default="auto", help="spec's --quantization (auto, int4, w8a8_int8, none)")
+    ap.add_argument("--compile", action="store_true", help="spec with --enable-torch-compile")
     ap.add_argument("--llama-bin", type=Path, help="llama.cpp tools built elsewhere")
     ap.add_argument("--llama-cache", type=Path, default=Path.home() / ".cache" / "spec" / "llama.cpp")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -183,7 +185,7 @@ def main() -> None:
     bin_dir = a.llama_bin or build_llama_cpp(a.llama_cache)
     heads = dict(item.split("=", 1) for item in a.eagle3)
     print(f"# CPU flags: {cpu_flags()}; 2 threads; {a.prompts} prompts x {a.max_new_tokens} new tokens, "
-          f"{a.rounds} rounds")
+          f"{a.rounds} rounds; spec --quantization {a.quantization}{' --enable-torch-compile' if a.compile else ''}")
     for model in a.models.split(","):
         gguf = models_dir() / model / KNOWN_MODELS[model].filename
         tok = load_tokenizer(resolve_model_path(model))
@@ -195,6 +197,8 @@ def main() -> None:
                                              "speculative_draft_model_path": DRAFTS[model]}
         if model in heads:
             spec_cases["spec EAGLE3"] = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": heads[model]}
+        common = {"quantization": a.quantization, "enable_torch_compile": a.compile, "context_length": 4096}
+        spec_cases = {name: {**common, **spec} for name, spec in spec_cases.items()}
         results: dict[str, list[dict]] = {}
         for _ in range(a.rounds):
             results.setdefault("llama.cpp plain", []).append(llama_plain(bin_dir, gguf, a.max_new_tokens))

@@ -113,7 +113,7 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
                     "may degrade", args.context_length, max_pos)
     tokenizer = load_tokenizer(args.tokenizer_path or model_dir, args.trust_remote_code)
     device = resolve_device(args.device)
-    quantization = resolve_quantization(args.quantization, model_dir, device, args.dtype)
+    quantization = resolve_quantization(args.quantization, model_dir, device, args.dtype, config)
     dtype = resolve_dtype(args.dtype, config, device, quantized=quantization is not None)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)

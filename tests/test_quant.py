@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.loader import gguf_quant
-from engine.models.quant import Int4Linear, Int8Linear
+from engine.models.quant import Int4Linear, W8A8Linear
 from tests.test_loader import gguf_tokenizer, tiny_llama, write_tiny_gguf
 from tests.test_speculative_lossless import ALGOS, draft_setup, prompts as lossless_prompts
 from tests.tiny import make_model, tiny_engine
@@ -57,7 +57,7 @@ def test_int4_linear_computes_with_its_groups():
     assert (linear(x) - expected).abs().max() < 1e-2 * expected.abs().max()
 
 
-@pytest.mark.parametrize("cls, tolerance", [(Int4Linear, 0.1), (Int8Linear, 0.02)])
+@pytest.mark.parametrize("cls, tolerance", [(Int4Linear, 0.1), (W8A8Linear, 0.03)])
 def test_quantized_linear_approximates_the_float_one(cls, tolerance):
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(96, 256, generator=g) * 0.05, torch.randn(5, 256, generator=g)
@@ -65,7 +65,7 @@ def test_quantized_linear_approximates_the_float_one(cls, tolerance):
     assert (cls.quantize(w, None)(x) - expected).abs().max() < tolerance * expected.abs().max()
 
 
-@pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
+@pytest.mark.parametrize("cls", [Int4Linear, W8A8Linear])
 def test_a_row_does_not_depend_on_the_rows_beside_it(cls):
     g = torch.Generator().manual_seed(1)
     linear = cls.quantize(torch.randn(64, 128, generator=g), None)
@@ -79,7 +79,7 @@ def target(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("target"), "llama", seed=3)
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "w8a8_int8"])
 @pytest.mark.parametrize("algo", ALGOS)
 def test_speculation_is_lossless_on_quantized_weights(kind, algo, target, tmp_path):
     prompts = lossless_prompts()         # a repetitive one among them: drafts get accepted
@@ -93,11 +93,13 @@ def test_speculation_is_lossless_on_quantized_weights(kind, algo, target, tmp_pa
     assert stats["spec_verify_ct"] > 0 and (algo != "NGRAM" or stats["avg_spec_accept_length"] > 1)
 
 
-def test_gguf_is_served_from_its_own_4bit_layers(tmp_path, monkeypatch):
-    """Q4_0 and Q4_1 layers (and a Q8_0 one, served dense): the converted directory keeps their groups
-    bit-exactly (renamed and permuted as the dequantized copies), the engine serves them as int4 unless
-    --dtype float32 asks for the exact reference, and the two agree closely."""
+def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
+    """Q4_0 and Q4_1 layers (and a Q8_0 one): the converted directory keeps their groups bit-exactly
+    (renamed and permuted as the dequantized copies); by default a model this small is served as int4,
+    the 4-bit layers from their own groups, with w8a8_int8 every decoder layer and the head as int8,
+    with --dtype float32 the exact dequantized reference; the three agree on the logits closely."""
     from engine import Engine
+    from engine.forward_batch import make_batch
     from engine.loader import convert_gguf, iter_weights
     from engine.loader.gguf_convert import int4_groups
 
@@ -115,11 +117,21 @@ def test_gguf_is_served_from_its_own_4bit_layers(tmp_path, monkeypatch):
         assert torch.equal(gguf_quant.dequantize(*groups(name)), weights[name]), name
     assert groups("model.layers.0.mlp.down_proj.weight") is None
 
-    quantized = Engine(model_path=str(path), max_total_tokens=2048)
-    exact = Engine(model_path=str(path), dtype="float32", max_total_tokens=2048)
-    layer = quantized._target.model.model.layers[0]
-    assert type(layer.self_attn.qkv_proj).__name__ == "Int4Linear" and type(layer.mlp.gate_up_proj).__name__ == "Int4Linear"
-    assert type(exact._target.model.model.layers[0].self_attn.qkv_proj).__name__ != "Int4Linear"
+    engines = {kw: Engine(model_path=str(path), max_total_tokens=2048, **dict([kw])) for kw in
+               (("quantization", "auto"), ("quantization", "w8a8_int8"), ("dtype", "float32"))}
+    kinds = {kw: {type(m).__name__ for m in e._target.model.modules()} for kw, e in engines.items()}
+    int4_layer = engines[("quantization", "auto")]._target.model.model.layers[0]
+    assert type(int4_layer.self_attn.qkv_proj).__name__ == type(int4_layer.mlp.down_proj).__name__ == "Int4Linear"
+    assert "W8A8Linear" in kinds[("quantization", "w8a8_int8")]
+    assert engines[("quantization", "w8a8_int8")]._target.model.quant_head is not None
+    assert not {"W8A8Linear", "Int4Linear"} & kinds[("dtype", "float32")]
     ids = tokenizer("the quick brown fox").input_ids
-    runs = [e.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 8}) for e in (quantized, exact)]
-    assert all(len(r["output_ids"]) == 8 for r in runs)
+    logits = {}
+    for kw, eng in engines.items():
+        kv, runner = eng._kv, eng._target
+        batch = make_batch(kv.table, [0], [0], ids, kv.alloc(len(ids)), [len(ids)])
+        with torch.inference_mode():
+            logits[kw] = runner.forward(batch, all_logits=True).logits.float()
+    reference = logits[("dtype", "float32")]
+    for kw in (("quantization", "auto"), ("quantization", "w8a8_int8")):
+        assert (logits[kw] - reference).abs().max() < 0.05 * reference.abs().max(), kw

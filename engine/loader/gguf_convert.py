@@ -177,14 +177,13 @@ def int4_groups(model_dir: Path):
     file = Path(model_dir) / QUANT_FILE
     if not file.is_file():
         return None
-    from safetensors import safe_open
+    from engine.loader.weights import SafetensorsFile
 
-    handle = safe_open(str(file), framework="pt")
-    keys = set(handle.keys())
+    reader = SafetensorsFile(file)
 
     def groups(name: str):
-        if f"{name}.q4" not in keys:
+        if f"{name}.q4" not in reader.header:
             return None
-        return tuple(handle.get_tensor(f"{name}.{suffix}") for suffix in ("q4", "q4_scale", "q4_min"))
+        return tuple(reader.get(f"{name}.{suffix}") for suffix in ("q4", "q4_scale", "q4_min"))
 
     return groups

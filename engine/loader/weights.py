@@ -62,16 +62,48 @@ def iter_weights(model_dir: Path, select: Optional[Callable[[str], bool]] = None
             yield from ((name, t) for name, t in state.items() if select is None or select(name))
 
 
-def _iter_safetensors(file: Path, select: Optional[Callable[[str], bool]]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
-    with _reading(file):
-        handle = safe_open(str(file), framework="pt")
-        names = [name for name in handle.keys() if select is None or select(name)]
-    for name in names:
-        with _reading(file):
-            tensor = handle.get_tensor(name)
-        yield name, tensor
+
+class SafetensorsFile:
+    """A safetensors file read tensor by tensor (8-byte header length, JSON header, raw data), each into
+    memory of its own: unlike a memory map nothing of the file stays mapped, so a process converting or
+    quantizing weights as it reads them holds one tensor at a time, not the file's pages (they would
+    count in its RSS)."""
+
+    def __init__(self, file: Path):
+        self.file = Path(file)
+        with _reading(self.file), open(self.file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            self.header = json.loads(f.read(size))
+        self.header.pop("__metadata__", None)
+        self.base = 8 + size
+
+    def names(self) -> list[str]:
+        """Tensor names in file order."""
+        return sorted(self.header, key=lambda n: self.header[n]["data_offsets"][0])
+
+    def get(self, name: str) -> torch.Tensor:
+        meta = self.header[name]
+        start, end = meta["data_offsets"]
+        dtype = _SAFETENSORS_DTYPES.get(meta["dtype"])
+        with _reading(self.file), open(self.file, "rb") as f:
+            if dtype is None:
+                raise ValueError(f"{name} has dtype {meta['dtype']}, which this engine does not read")
+            f.seek(self.base + start)
+            data = bytearray(end - start)
+            if f.readinto(data) != end - start:
+                raise ValueError(f"{name} is cut short")
+        return (torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)).view(meta["shape"])
+
+
+def _iter_safetensors(file: Path, select: Optional[Callable[[str], bool]]) -> Iterator[tuple[str, torch.Tensor]]:
+    reader = SafetensorsFile(file)
+    for name in reader.names():
+        if select is None or select(name):
+            yield name, reader.get(name)
 
 
 @contextmanager

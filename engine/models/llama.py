@@ -7,7 +7,7 @@ checkpoints, except that q/k/v and gate/up projections are fused (one matmul eac
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,9 +37,15 @@ class Rotary(nn.Module):
 
     def __init__(self, config, head_dim: int, max_positions: int):
         super().__init__()
-        # Computed on the CPU whatever device the model is being built on (transformers' rope-scaling
-        # init functions make tensors of the default device and mix them with CPU ones), then moved there.
-        device = torch.empty(0).device
+        self.config, self.head_dim, self.max_positions = config, head_dim, max_positions
+        self.build(torch.empty(0).device)
+
+    def build(self, device) -> None:
+        """(Re)compute the tables onto `device`: a model built on the meta device calls it once the
+        device is known (engine/model_runner.py: materialize)."""
+        # Computed on the CPU whatever the device (transformers' rope-scaling init functions make
+        # tensors of the default device and mix them with CPU ones), then moved there.
+        config, head_dim = self.config, self.head_dim
         with torch.device("cpu"):
             params = getattr(config, "rope_parameters", None) or {}
             rope_type = params.get("rope_type", "default")
@@ -51,7 +57,7 @@ class Rotary(nn.Module):
                 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
                 inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-            freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :].float()
+            freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :].float()
             emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", (emb.cos() * scaling).to(device), persistent=False)
         # rotate_half(x) * sin = roll(x, half) * (sin with its first half negated): the same products,
@@ -154,6 +160,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_head: PrepackedLinear | None = None
+        self.quant_head: nn.Module | None = None        # engine/models/quant.py, when the head is quantized
 
     @property
     def num_layers(self) -> int:
@@ -167,7 +174,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        if self.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        # A quantized untied head keeps no float copy: its rows are rebuilt for the rare reader (token maps).
+        return self.quant_head.dequantized() if self.quant_head is not None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 backend: AttentionBackend, input_embeds: torch.Tensor | None = None):
@@ -187,6 +197,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(h), captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.quant_head is not None:
+            return self.quant_head(hidden).float()
         if self.packed_head is not None:
             return self.packed_head(hidden).float()
         return torch.nn.functional.linear(hidden, self.lm_head_weight()).float()
@@ -195,18 +207,26 @@ class LlamaForCausalLM(nn.Module):
         """Pack the decoder's and the head's weights for CPU matmuls (engine/models/prepack.py), once the
         weights are loaded and final; returns the bytes added."""
         added = prepack_linears(self.model)
+        if self.quant_head is not None:
+            return added
         # Not owned: the embedding shares a tied head, and drafts (EAGLE's, token maps) read its rows.
         self.packed_head = PrepackedLinear(self.lm_head_weight(), owned=False)
         return added + self.packed_head.extra_bytes
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up; every parameter must be given."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     sinks: Optional[dict[str, Callable[[torch.Tensor], None]]] = None) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up; every parameter must be given.
+        A (fused) name in `sinks` goes to its callable instead (a layer that quantizes it)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         pending: dict[str, dict[str, torch.Tensor]] = {}
         layers = self.config.num_hidden_layers
+        sinks = dict(sinks or {})
         for name, tensor in fuse_weights(((n, t) for n, t in weights if not is_mtp_weight(n, layers)), pending):
             if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if name in sinks:
+                sinks.pop(name)(tensor)
                 continue
             if name not in params:
                 if "rotary_emb" in name:
@@ -215,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 params[name].copy_(tensor.to(params[name].dtype))
             loaded.add(name)
-        missing = sorted(set(params) - loaded)
+        missing = sorted(set(params) - loaded) + sorted(sinks)
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
 

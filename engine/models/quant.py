@@ -1,16 +1,18 @@
-"""Weight-only quantized linears for the CPU, through the kernels that ship with torch.
+"""Quantized linears for the CPU, through kernels that ship with torch.
 
+- w8a8_int8 (the default for GGUF files on the CPU): int8 weights, one scale per output row, and int8
+  activations quantized per row on the fly (symmetric, one scale per token); the product runs in
+  oneDNN's int8 GEMM (AMX or VNNI where the CPU has them). Integer products are exact, so a row's result
+  never depends on the other rows of the call (what speculative decoding's losslessness leans on), and
+  the cost barely grows with the rows: measured on a Xeon with AMX, Qwen2.5-1.5B's gate/up projection
+  takes 0.65 ms for 1 row and 0.70 ms for 8 (docs/benchmarking.md). 1 byte per weight.
 - int4: groups of 32 weights along the input, w = q * scale + min with q in 0..15 (GGUF's Q4_0, Q4_1
-  and Q4_K are exactly this, engine/loader/gguf_quant.py); aten._weight_int4pack_mm_for_cpu with bf16
-  activations, the scale and min rounded to bf16 there. 0.625 bytes per weight.
-- int8: one scale per output row (symmetric); aten._weight_int8pack_mm with bf16 activations. 1 byte
-  per weight.
-Both kernels are scalar for fp32 activations on x86 (7-20x slower), so activations go in as bf16 and
-come back in the model's dtype; both give a row the same result whatever the number of rows (a verify
-forward agrees with a decode step), which speculative decoding's losslessness leans on. Measured on
-this project's CPUs (docs/benchmarking.md): fastest at one row, an 8-row call costs ~3.7x a 1-row call.
-The layers quantized are the decoder's (q/k/v, o, gate/up, down); embeddings, norms and the lm_head
-stay dense.
+  and Q4_K are exactly this, engine/loader/gguf_quant.py), weight-only: torch's
+  _weight_int4pack_mm_for_cpu with bf16 activations (scalar, 7-20x slower, with fp32 ones), the scale
+  and min rounded to bf16 there. As fast as w8a8_int8 for one row, ~3.7x that for 8. 0.625 bytes per
+  weight, and a GGUF's own 4-bit weights served exactly.
+The layers quantized are the decoder's (q/k/v, o, gate/up, down); with w8a8_int8 the lm_head too.
+Embeddings and norms stay dense.
 """
 
 from __future__ import annotations
@@ -59,30 +61,51 @@ class Int4Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-class Int8Linear(nn.Module):
+class W8A8Linear(nn.Module):
+    _ZERO_POINT = 128           # int8 activations, offset into uint8 for oneDNN's u8 x s8 product
+    _ROWS = 8192                # weight rows quantized at a time
+
     def __init__(self, weight: torch.Tensor, bias: Optional[nn.Parameter]):
         super().__init__()
-        w = weight.detach().float()
-        scale = (w.abs().amax(-1) / 127).clamp(min=1e-8)
-        self.out_features, self.in_features = w.shape
-        self.register_buffer("weight_int8", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8),
-                             persistent=False)
-        self.register_buffer("scale", scale.to(torch.bfloat16), persistent=False)
+        self.out_features, self.in_features = weight.shape
+        scale = torch.empty(self.out_features)
+        q = torch.empty(weight.shape, dtype=torch.int8)
+        # In slices of rows: a whole head's fp32 temporaries would be several times its size (Qwen2.5's
+        # 151936 x 1536 head: ~1 GB each).
+        for rows in range(0, self.out_features, self._ROWS):
+            w = weight.detach()[rows:rows + self._ROWS].float()
+            s = scale[rows:rows + self._ROWS] = (w.abs().amax(-1) / 127).clamp(min=1e-12)
+            q[rows:rows + self._ROWS] = (w / s[:, None]).round_().clamp_(-127, 127)
+        self.register_buffer("weight_int8", torch.ops.onednn.qlinear_prepack(q, None), persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("zero_points", torch.zeros(self.out_features, dtype=torch.int64), persistent=False)
         self.bias = bias
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "Int8Linear":
+    def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "W8A8Linear":
         return cls(weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = aten._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16), self.weight_int8,
-                                     self.scale).to(x.dtype)
+        rows = x.reshape(-1, self.in_features).float()
+        step = rows.abs().amax(-1, keepdim=True) / 127
+        a = (torch.round(rows / step.clamp(min=1e-30)) + 128).to(torch.uint8)
+        y = torch.ops.onednn.qlinear_pointwise(a, 1.0, self._ZERO_POINT, self.weight_int8, self.scale,
+                                               self.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+        y = y * step
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float weights [N, K] the layer computes with (for code that reads a head's rows)."""
+        eye = torch.eye(self.in_features)
+        rows = torch.ops.onednn.qlinear_pointwise(
+            (eye * 127 + 128).to(torch.uint8), 1.0, self._ZERO_POINT, self.weight_int8, self.scale,
+            self.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+        return (rows / 127).t().contiguous()
 
 
-KINDS = {"int4": Int4Linear, "int8": Int8Linear}
+KINDS = {"int4": Int4Linear, "w8a8_int8": W8A8Linear}
 
 
 def decoder_linears(model: nn.Module) -> Iterable[tuple[str, nn.Module, str]]:
@@ -93,13 +116,45 @@ def decoder_linears(model: nn.Module) -> Iterable[tuple[str, nn.Module, str]]:
                 yield f"{name}.{attr}" if name else attr, module, attr
 
 
+def quantizable(linear: nn.Linear, kind: str) -> bool:
+    return kind != "int4" or linear.in_features % GROUP == 0       # int4 needs whole groups of 32 inputs
+
+
 def quantize_loaded(model: nn.Module, kind: str) -> None:
-    """Replace the decoder's loaded float linears with `kind` ("int4" or "int8") ones."""
+    """Replace the decoder's loaded float linears with `kind` ones (a draft model, loaded by its own code)."""
     for _, parent, attr in list(decoder_linears(model)):
         linear = getattr(parent, attr)
-        if kind == "int4" and linear.in_features % GROUP:
-            continue                       # int4 groups need whole groups of 32 inputs
-        setattr(parent, attr, KINDS[kind].quantize(linear.weight, linear.bias))
+        if quantizable(linear, kind):
+            setattr(parent, attr, KINDS[kind].quantize(linear.weight, linear.bias))
+
+
+def quantize_while_loading(model: nn.Module, kind: str) -> dict[str, Callable[[torch.Tensor], None]]:
+    """Free the decoder's float linears now and return, per (fused) checkpoint weight name, where its
+    tensor goes when loading reads it: quantized as it arrives, so the float model never exists whole."""
+    sinks: dict[str, Callable[[torch.Tensor], None]] = {}
+    for prefix, parent, attr in list(decoder_linears(model)):
+        linear = getattr(parent, attr)
+        if not quantizable(linear, kind):
+            continue
+        pending = _Pending(linear.bias)
+        setattr(parent, attr, pending)
+
+        def sink(weight: torch.Tensor, parent=parent, attr=attr, bias=pending.bias) -> None:
+            setattr(parent, attr, KINDS[kind].quantize(weight, bias))
+
+        sinks[f"{prefix}.weight"] = sink
+    return sinks
+
+
+class _Pending(nn.Module):
+    """A linear whose weight has not arrived yet; it keeps the bias, which loads as usual."""
+
+    def __init__(self, bias: Optional[nn.Parameter]):
+        super().__init__()
+        self.bias = bias
+
+    def forward(self, x):
+        raise RuntimeError("a quantized linear was used before its weight was loaded")
 
 
 def install_gguf_groups(model: nn.Module, groups: Callable[[str], Optional[tuple]]) -> set[str]:

@@ -40,7 +40,8 @@ def load_draft(args: ServerArgs, target: nn.Module, target_dir, dtype: torch.dty
     check_same_vocabulary(args, target.config, target_dir, draft_dir, config)
     from engine.model_runner import resolve_quantization
 
-    quantization = resolve_quantization(args.speculative_draft_model_quantization, draft_dir, device, args.dtype)
+    quantization = resolve_quantization(args.speculative_draft_model_quantization, draft_dir, device, args.dtype,
+                                        config)
     model = load_model(draft_dir, config, dtype, device, max_positions, quantization=quantization)
     vocab = target.config.vocab_size
     hot = (load_token_map(args.speculative_token_map, min(vocab, config.vocab_size))
