@@ -63,18 +63,20 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
     says (engine/models/quant.py); the remaining CPU linears are prepacked when there is memory for it
     and `prepack` (engine/models/prepack.py; a compiled model packs its own). `model.weight_bytes`
     tells what it holds."""
+    from engine.distributed.sharding import local_config, local_groups
     from engine.loader import iter_weights
     from engine.loader.gguf_convert import int4_groups
     from engine.models.quant import install_gguf_groups, quantize_loaded
 
     cls = model_class(config, str(model_dir))
-    with torch.device(device):
-        model = cls(config, max_positions=max_positions)
+    with torch.device(device):      # built at this rank's sizes under tensor parallelism; config stays whole
+        model = cls(local_config(config), max_positions=max_positions)
+    model.config = config
     model.to(dtype)
     # The rotary tables stay fp32 so positions far out keep their precision.
     model.model.rotary.float()
     # A GGUF's 4-bit layers come from its own groups; their float copies are not read at all.
-    provided = install_gguf_groups(model, int4_groups(model_dir)) if quantization == "gguf" else set()
+    provided = install_gguf_groups(model, local_groups(int4_groups(model_dir))) if quantization == "gguf" else set()
     try:
         model.load_weights(iter_weights(model_dir, select=lambda name: name not in provided))
     except KeyError as exc:

@@ -221,7 +221,7 @@ class EngineLoop:
         self._subs.clear()
         self._send(batch)
         try:
-            self.engine.shutdown()
+            self.engine.abort_all()
         except Exception:
             log.exception("could not reset the engine after a failed step")
 
