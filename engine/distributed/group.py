@@ -54,15 +54,12 @@ def init(rank: int, size: int, addr: str, device: str, timeout_s: int,
     store.set(f"spec/joined/{rank}", "1")
     keys = [f"spec/joined/{r}" for r in range(size)]
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            store.wait(keys, datetime.timedelta(seconds=0.5))
-            break
-        except dist.DistStoreError:
-            why = failed() or (time.monotonic() > deadline and
-                               f"the {size} ranks did not all meet at {addr} within --dist-timeout {timeout_s} s")
-            if why:
-                raise DistributedError(f"tensor parallelism could not start: {why}") from None
+    while not store.check(keys):
+        why = failed() or (time.monotonic() > deadline and
+                           f"the {size} ranks did not all meet at {addr} within --dist-timeout {timeout_s} s")
+        if why:
+            raise DistributedError(f"tensor parallelism could not start: {why}")
+        time.sleep(0.05)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=rank, world_size=size,
                             timeout=timeout)
     _group = Group(rank, size, device, dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))

@@ -38,17 +38,20 @@ log = logging.getLogger(__name__)
 def join(args: ServerArgs):
     """This process's part in tensor parallelism: None at --tp-size 1; a Follower in a rank that
     `_rank_main` started; otherwise rank 0's Leader, its machine's other ranks started and joined."""
-    if args.tp_size == 1:
-        return None
-    if group.joined() is not None:
-        return Follower(group.joined())
+    joined = group.joined()
+    if joined is not None and joined.rank != 0:
+        return Follower(joined)
+    if args.dp_size > 1:
+        raise ConfigError("--dp-size runs server replicas behind a router: use `spec serve`.")
     if args.node_rank != 0:
         raise ConfigError("--node-rank > 0 runs only `spec serve`, which computes for node 0's server; the "
                           "Python Engine runs on node 0.")
-    if args.dp_size > 1:
-        raise ConfigError("--dp-size runs server replicas behind a router: use `spec serve`.")
+    if args.tp_size == 1:
+        return None
+    if joined is not None:
+        raise ConfigError("This process leads a tensor-parallel engine already; shut it down first (one per process).")
     device = _device(args)
-    addr = args.dist_init_addr or f"127.0.0.1:{_free_port()}"
+    addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
     _set_threads(args, device)
     ranks = LocalRanks(args, addr, range(1, args.ranks_per_node))
     try:
@@ -94,7 +97,7 @@ class LocalRanks:
             for sentinel in wait(list(waiting)):
                 rank, proc, reader = waiting.pop(sentinel)
                 proc.join()
-                if self._stopping or self.dead:
+                if self._stopping or self.dead or proc.exitcode == 0:     # 0: told to stop by rank 0
                     continue
                 self.dead = f"rank {rank} {_exit_status(proc.exitcode)}{_reported(reader)}"
                 log.error("tensor parallelism: %s", self.dead)
@@ -179,7 +182,7 @@ def _set_threads(args: ServerArgs, device: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks_per_node))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

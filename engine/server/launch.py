@@ -24,18 +24,34 @@ ANSWER_S = 5.0
 
 
 def run_server(args: ServerArgs) -> None:
-    """`spec serve`: blocks until SIGTERM or Ctrl-C, then returns once in-flight requests are done."""
+    """`spec serve`: blocks until SIGTERM or Ctrl-C, then returns once in-flight requests are done.
+    With --dp-size, runs the replicas and their router instead; with --node-rank > 0, this machine's
+    tensor-parallel ranks (engine/distributed/). Exits with status 1 when a tensor-parallel rank fails."""
     _setup_logging(args.log_level)
+    if args.dp_size > 1:
+        from engine.distributed.data_parallel import serve_replicas
+
+        sys.exit(serve_replicas(args))
+    if args.node_rank > 0:
+        from engine.distributed.launch import serve_node
+
+        sys.exit(serve_node(args))
     log.info("loading %s", args.model_path)
     engine = Engine(server_args=args)
     server = make_server(engine, args)
+    loop = server.config.app.state.serving.loop
+    loop.on_fatal = lambda message: setattr(server, "should_exit", True)
     server.run()
     # A second Ctrl-C skips the app's own shutdown; the engine thread must still end before the
     # interpreter does, or torch's threads abort the process (SIGABRT) on their way out.
-    if not server.config.app.state.serving.loop.stop(timeout=ENGINE_STOP_S):
+    if not loop.stop(timeout=ENGINE_STOP_S):
         log.error("the engine did not stop within %g s; exiting without it", ENGINE_STOP_S)
         sys.stderr.flush()
         os._exit(1)
+    if loop.fatal:
+        print(f"error: {loop.fatal}; the server stopped", file=sys.stderr, flush=True)
+        sys.exit(1)
+    engine.shutdown()
 
 
 def make_server(engine: Engine, args: ServerArgs) -> "Server":
