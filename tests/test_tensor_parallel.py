@@ -108,6 +108,14 @@ def test_quantized_weights_are_quantized_after_sharding(kind, target):
             assert [v for v, _, _ in top] == pytest.approx([v for v, _, _ in ref], abs=0.05)
 
 
+@pytest.mark.slow
+def test_compiled_forward_under_tensor_parallelism(target, plain):
+    """--enable-torch-compile: each rank compiles its block's forward, collectives included."""
+    with engine(target, tp=2, enable_torch_compile=True) as eng:
+        outs = eng.generate(input_ids=prompts(), sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
+
+
 def test_a_size_that_does_not_divide_the_heads_is_refused(target):
     with pytest.raises(ConfigError, match="--tp-size 3 must divide the model's attention heads"):
         engine(target, tp=3)

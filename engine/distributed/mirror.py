@@ -16,7 +16,6 @@ packed in one, the tree mask, the hidden states) on the model's group (NCCL on a
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any, Callable, Optional
 
@@ -49,20 +48,22 @@ class Leader:
         """Announce the worker's model forwards from now on (each object is wrapped once)."""
         from engine.speculative.model_drafter import ModelDrafter
 
-        _announce(worker.target, "forward", functools.partial(self._forward, "target"))
+        _announce(worker.target, "forward", self._target)
         if isinstance(worker.drafter, ModelDrafter):
-            _announce(worker.drafter, "feed", functools.partial(self._forward, "feed"))
-            _announce(worker.drafter, "scores", functools.partial(self._scores, "scores"))
+            _announce(worker.drafter, "feed", self._feed)
+            _announce(worker.drafter, "scores", self._scores)
 
-    def _forward(self, op: str, run: Callable, batch: ForwardBatch, *args: Any, **kwargs: Any):
-        # runner.forward(batch, logit_rows=None, all_logits=False, decode=False); drafter.feed(batch, features)
-        tensor = args[0] if op == "feed" and args else None
-        logit_rows = (args[0] if args else kwargs.get("logit_rows")) if op == "target" else None
-        meta = {k: v for k, v in kwargs.items() if k != "logit_rows"}
-        return self._run(lambda: self._send(op, meta, batch, tensor, logit_rows), lambda: run(batch, *args, **kwargs))
+    def _target(self, run: Callable, batch: ForwardBatch, logit_rows: Optional[torch.Tensor] = None,
+                all_logits: bool = False, decode: bool = False):
+        meta = {"all_logits": all_logits, "decode": decode}
+        return self._run(lambda: self._send("target", meta, batch, None, logit_rows),
+                         lambda: run(batch, logit_rows, **meta))
 
-    def _scores(self, op: str, run: Callable, hidden: torch.Tensor):
-        return self._run(lambda: self._send(op, {}, None, hidden, None), lambda: run(hidden))
+    def _feed(self, run: Callable, batch: ForwardBatch, features: Optional[torch.Tensor]):
+        return self._run(lambda: self._send("feed", {}, batch, features, None), lambda: run(batch, features))
+
+    def _scores(self, run: Callable, hidden: torch.Tensor):
+        return self._run(lambda: self._send("scores", {}, None, hidden, None), lambda: run(hidden))
 
     def set_speculative(self, changes: dict) -> None:
         self._run(lambda: self._send("set_speculative", changes, None, None, None), lambda: None)
@@ -137,10 +138,11 @@ class Leader:
 
 
 def _announce(obj: Any, name: str, announced: Callable) -> None:
-    """Replace obj.name by a version that announces each call first; an object wrapped already (a
-    drafter reused by set_speculative) is left as it is."""
+    """Replace the method obj.name by announced(method, ...), which announces each call first; an object
+    wrapped already (a drafter reused by set_speculative) is left as it is."""
     if name not in vars(obj):
-        setattr(obj, name, functools.partial(announced, getattr(obj, name)))
+        method = getattr(obj, name)
+        setattr(obj, name, lambda *args, **kwargs: announced(method, *args, **kwargs))
 
 
 class Follower:

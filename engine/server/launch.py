@@ -40,16 +40,26 @@ def run_server(args: ServerArgs) -> None:
     engine = Engine(server_args=args)
     server = make_server(engine, args)
     loop = server.config.app.state.serving.loop
-    loop.on_fatal = lambda message: setattr(server, "should_exit", True)
+    failures: list[str] = []
+
+    def stop(message: str) -> None:
+        failures.append(message)
+        server.should_exit = True
+
+    loop.on_fatal = stop
+    engine.on_rank_failure(stop)        # directly too: the engine thread may be stuck in a collective
     server.run()
     # A second Ctrl-C skips the app's own shutdown; the engine thread must still end before the
     # interpreter does, or torch's threads abort the process (SIGABRT) on their way out.
-    if not loop.stop(timeout=ENGINE_STOP_S):
+    stopped = loop.stop(timeout=ENGINE_STOP_S)
+    if failures:
+        print(f"error: {loop.fatal or f'tensor parallelism stopped: {failures[0]}'}; the server stopped",
+              file=sys.stderr, flush=True)
+    if not stopped:
         log.error("the engine did not stop within %g s; exiting without it", ENGINE_STOP_S)
         sys.stderr.flush()
         os._exit(1)
-    if loop.fatal:
-        print(f"error: {loop.fatal}; the server stopped", file=sys.stderr, flush=True)
+    if failures:
         sys.exit(1)
     engine.shutdown()
 
@@ -97,8 +107,10 @@ class Server(uvicorn.Server):
         if self.started:
             host = self.servers[0].sockets[0].getsockname()[0]
             url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+            args = self.config.app.state.serving.args
+            ranks = f" | tensor parallel over {args.tp_size} ranks" if args.tp_size > 1 else ""
             print(f"spec serve: ready at {url} | model {self.config.app.state.serving.model_name} | "
-                  f"speculative: {describe_speculative(self.config.app.state.serving.args)}", flush=True)
+                  f"speculative: {describe_speculative(args)}{ranks}", flush=True)
 
     @contextlib.contextmanager
     def capture_signals(self):
