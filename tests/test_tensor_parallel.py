@@ -108,6 +108,28 @@ def test_quantized_weights_are_quantized_after_sharding(kind, target):
             assert [v for v, _, _ in top] == pytest.approx([v for v, _, _ in ref], abs=0.05)
 
 
+def test_gguf_4bit_groups_are_cut_by_rank(tmp_path, monkeypatch):
+    """A GGUF's own 4-bit layers, served sharded: every rank's block of them stays int4."""
+    from tests.test_loader import gguf_tokenizer, tiny_llama, write_tiny_gguf
+
+    monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
+    tokenizer = gguf_tokenizer()
+    path = tmp_path / "tiny.Q4.gguf"
+    write_tiny_gguf(path, tiny_llama(len(tokenizer)), tokenizer, {
+        "q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q4_0", "o_proj": "Q4_1", "gate_proj": "Q4_1",
+        "up_proj": "Q4_1", "down_proj": "Q4_0"})
+    args = dict(input_ids=[5, 6, 7, 8], sampling_params={**GREEDY, "max_new_tokens": 1}, return_logprob=True,
+                top_logprobs_num=5)
+    with Engine(model_path=str(path), max_total_tokens=2048) as one, \
+            Engine(model_path=str(path), max_total_tokens=2048, tp_size=2) as two:
+        layer = two._target.model.model.layers[1]
+        kinds = {type(m).__name__ for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                            layer.mlp.down_proj)}
+        assert kinds == {"Int4Linear"}
+        top, ref = (e.generate(**args)["meta_info"]["output_top_logprobs"][0] for e in (two, one))
+    assert [v for v, _, _ in top] == pytest.approx([v for v, _, _ in ref], abs=0.05)
+
+
 @pytest.mark.slow
 def test_compiled_forward_under_tensor_parallelism(target, plain):
     """--enable-torch-compile: each rank compiles its block's forward, collectives included."""

@@ -35,9 +35,9 @@ def _size() -> int:
     return g.size if g else 1
 
 
-def local_rows(rows: int) -> int:
-    """Rows of a vocabulary-parallel weight each rank holds."""
-    return -(-rows // _size())
+def local_rows(rows: int, n: Optional[int] = None) -> int:
+    """Rows of a vocabulary-parallel weight each of n ranks (those building now) holds."""
+    return -(-rows // (n or _size()))
 
 
 def local_config(config, what: str = "the model"):
@@ -73,7 +73,7 @@ def local_block(name: str, tensor: torch.Tensor, rank: int, n: int) -> torch.Ten
             return tensor if rank == 0 else torch.zeros_like(tensor)
         return _block(tensor, 1, rank, n)
     if module in VOCAB and kind == "weight":
-        rows = local_rows(tensor.shape[0])
+        rows = local_rows(tensor.shape[0], n)
         block = tensor[rank * rows:(rank + 1) * rows]
         return torch.cat([block, block.new_zeros((rows - block.shape[0], *block.shape[1:]))]) if len(block) < rows \
             else block.clone()
