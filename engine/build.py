@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from engine.config import ServerArgs, model_max_positions
+from engine.distributed import group as tp
 from engine.memory.budget import KVBudget
 from engine.memory.kv_manager import KVManager
 from engine.memory.kv_pool import KVPool
@@ -68,9 +69,12 @@ def kv_budget(args: ServerArgs, device: str, weight_bytes: int, bytes_per_token:
     """KV slots that fit --mem-fraction-static of the device's memory once the weights (target and
     draft) are in, each slot holding the target's and the draft's K/V of one token; or --max-total-tokens."""
     _, total = device_memory(device)
+    if device == "cpu":
+        total //= args.ranks_per_node       # tensor-parallel ranks on one machine share its RAM
     fraction = args.mem_fraction_static or (0.88 if device == "cuda" else 0.3)
     budget = KVBudget.plan(args.max_total_tokens, fraction, total, weight_bytes, bytes_per_token,
                            full_request_slots(args))
+    budget.slots = tp.agree_min(budget.slots)   # tensor-parallel ranks size their pools alike
     budget.warn_if_short(full_request_slots(args), args.context_length)
     return budget
 

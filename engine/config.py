@@ -182,6 +182,30 @@ class ServerArgs:
         group="Compilation"))
     disable_cuda_graph: bool = field(default=False, metadata=opt("Do not capture CUDA graphs.", group="Compilation"))
 
+    # --- Parallelism (docs/distributed.md) ---------------------------------------------------------
+    tp_size: int = field(default=1, metadata=opt(
+        "Tensor parallelism: shard attention heads, MLP and vocabulary (target and draft) over this many "
+        "processes, one per GPU (gloo processes on CPU), started by spec itself.",
+        flags=("--tp-size", "--tp"), hidden=("--tensor-parallel-size",), group="Parallelism"))
+    dp_size: int = field(default=1, metadata=opt(
+        "Data parallelism (spec serve): this many replicas of the server (each with --tp-size ranks) on this "
+        "machine behind sglang-router, which listens on --host:--port.",
+        flags=("--dp-size", "--dp"), hidden=("--data-parallel-size",), group="Parallelism"))
+    router_policy: Optional[str] = field(default=None, metadata=opt(
+        "How the router spreads requests over --dp-size replicas (sglang-router's policies). Default: "
+        "cache_aware (prefix-cache affinity, balanced under load).", group="Parallelism",
+        choices=("cache_aware", "round_robin", "power_of_two", "random")))
+    nnodes: int = field(default=1, metadata=opt(
+        "Machines the --tp-size ranks are spread over (each runs tp-size / nnodes of them).", group="Parallelism"))
+    node_rank: int = field(default=0, metadata=opt(
+        "This machine's index among --nnodes; node 0 serves HTTP, the others only compute.", group="Parallelism"))
+    dist_init_addr: Optional[str] = field(default=None, metadata=opt(
+        "HOST:PORT of node 0 where the ranks meet (torch.distributed's TCP rendezvous); needed with --nnodes > 1. "
+        "Default on one machine: a free port on 127.0.0.1.", group="Parallelism"))
+    dist_timeout: int = field(default=600, metadata=opt(
+        "Seconds a rank waits for the others, at start-up and in every collective, before the server stops "
+        "with an error.", group="Parallelism"))
+
     # --- Server ------------------------------------------------------------------------------------
     host: str = field(default="127.0.0.1", metadata=opt("Address to bind.", group="Server"))
     port: int = field(default=30000, metadata=opt("Port to bind.", group="Server"))
@@ -197,6 +221,7 @@ class ServerArgs:
     def __post_init__(self) -> None:
         self._check_ranges()
         self._check_speculative()
+        self._check_parallelism()
 
     # ---------------------------------------------------------------------------------------------
     def _check_ranges(self) -> None:
@@ -214,7 +239,7 @@ class ServerArgs:
         for name in ("max_prefill_tokens", "torch_compile_max_bs", "speculative_ngram_min_match_window_size",
                      "speculative_ngram_max_match_window_size", "speculative_ngram_min_bfs_breadth",
                      "speculative_ngram_max_bfs_breadth", "speculative_ngram_capacity", "max_queued_requests",
-                     "max_request_body_mb"):
+                     "max_request_body_mb", "tp_size", "dp_size", "nnodes", "dist_timeout"):
             positive(name, allow_none=False)
         if self.chunked_prefill_size < -1:
             raise ConfigError(f"--chunked-prefill-size must be -1 (auto), 0 (off) or positive, got {self.chunked_prefill_size}.")
@@ -269,6 +294,28 @@ class ServerArgs:
                               "--speculative-num-draft-tokens together, or none of them for the auto choice.")
         if all(given):
             self._check_tree(*tree)
+
+    def _check_parallelism(self) -> None:
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), got {self.node_rank}.")
+        if self.tp_size % self.nnodes:
+            raise ConfigError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}: every node runs "
+                              "the same number of ranks.")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ConfigError("--nnodes > 1 needs --dist-init-addr HOST:PORT, an address of node 0 that every node "
+                              "reaches (the same value on every node).")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"--dist-init-addr must be HOST:PORT (e.g. 10.0.0.1:5000), got {self.dist_init_addr!r}.")
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise ConfigError("--dp-size runs replicas on this machine; across machines run one `spec serve` per "
+                              "machine and put sglang-router in front of them (docs/distributed.md).")
+        if self.tp_size > 1 and self.speculative_token_map:
+            raise ConfigError("--speculative-token-map cannot be used with --tp-size > 1 yet: an FR-Spec map picks rows "
+                              "of the whole lm_head, which tensor parallelism splits over the ranks. Drop one of them.")
+        if self.router_policy is not None and self.dp_size == 1:
+            raise ConfigError("--router-policy chooses among --dp-size replicas; it needs --dp-size 2 or more.")
 
     def _ngram_tree(self, steps: Optional[int], topk: Optional[int],
                     draft_tokens: Optional[int]) -> tuple[int, int, int]:
@@ -337,6 +384,11 @@ class ServerArgs:
     def max_positions(self) -> int:
         """Positions a model must rotate: tree nodes sit up to MAX_SPECULATIVE_STEPS past the newest token."""
         return self.context_length + MAX_SPECULATIVE_STEPS
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Tensor-parallel ranks each machine runs."""
+        return self.tp_size // self.nnodes
 
     @property
     def speculative_tree(self) -> Optional[tuple[int, int, int]]:

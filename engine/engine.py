@@ -21,6 +21,7 @@ import time
 from typing import Any, Iterator, Optional, Sequence, Union
 
 from engine.config import ServerArgs
+from engine.distributed import group as tp_group
 from engine.errors import ConfigError, RequestError
 from engine.grammar import GrammarBackend
 from engine.request import Request
@@ -43,8 +44,21 @@ class Engine:
         if server_args is not None and kwargs:
             raise TypeError("pass either server_args or keyword flags, not both")
         from engine.build import build_engine_parts
+        from engine.distributed.launch import join
 
-        parts = build_engine_parts(server_args or ServerArgs.from_dict(kwargs))
+        args = server_args or ServerArgs.from_dict(kwargs)
+        # Tensor parallelism (engine/distributed/): rank 0 leads, its machine's other ranks are started here.
+        self._tp = join(args)
+        try:
+            with tp_group.sharded(self._tp is not None):
+                parts = build_engine_parts(args)
+            if self._tp:
+                self._tp.attach(parts.scheduler.worker)
+                self._tp.started()
+        except BaseException as exc:
+            if self._tp:
+                raise self._tp.start_failed(exc) from exc
+            raise
         self.args = parts.args                  # resolved against the model: no "auto" left
         self.model_dir, self.model_config = parts.model_dir, parts.model_config
         self.tokenizer, self.eos_ids = parts.tokenizer, parts.eos_ids
@@ -105,6 +119,8 @@ class Engine:
         from engine.build import build_worker, resolve_args
         from engine.speculative.factory import uses_rejection
 
+        if self._tp:
+            self._tp.set_speculative(changes)      # every rank loads the same draft
         args = resolve_args(dataclasses.replace(self.args, **changes), self.model_config)
 
         key = _draft_key(args)
@@ -119,6 +135,8 @@ class Engine:
             if _has_draft_model(args):
                 self._drafters[key] = worker.drafter
         worker.capture = self._scheduler.worker.capture
+        if self._tp:
+            self._tp.attach(worker)
         self._scheduler.set_worker(worker, args)
         self.args = args
 
@@ -126,8 +144,9 @@ class Engine:
         from engine.speculative.factory import load_draft_model
 
         model = self._target.model
-        return load_draft_model(args, model, self.model_dir, next(model.parameters()).dtype,
-                                str(self._kv.table.device), args.max_positions)
+        with tp_group.sharded(self._tp is not None):
+            return load_draft_model(args, model, self.model_dir, next(model.parameters()).dtype,
+                                    str(self._kv.table.device), args.max_positions)
 
     def flush_cache(self) -> None:
         """Empty the prefix cache (benchmarks that must not reuse another pass's prompts)."""
@@ -284,12 +303,30 @@ class Engine:
         info["max_total_num_tokens"] = self.kv_capacity
         return info
 
-    def shutdown(self) -> None:
-        """Abort anything still queued or running and release the KV memory."""
+    def abort_all(self) -> None:
+        """Abort anything still queued or running and release its KV memory."""
         sched = self._scheduler
         for req in list(sched.waiting) + list(sched.running) + ([sched.prefilling] if sched.prefilling else []):
             sched.abort(req.rid)
         sched.step()
+
+    def shutdown(self) -> None:
+        """abort_all, then stop the other tensor-parallel ranks: the engine is done."""
+        self.abort_all()
+        if self._tp:
+            self._tp.stop()
+
+    # ------------------------------------------------------------------ tensor parallelism
+    def follow(self) -> None:
+        """On a tensor-parallel rank other than 0 (engine/distributed/launch.py starts them): run the
+        forwards rank 0 announces, until it stops."""
+        self._tp.run(self)
+
+    def on_rank_failure(self, callback) -> None:
+        """Call callback(message), from another thread, when a tensor-parallel rank of this machine dies
+        (the server stops then); never at --tp-size 1."""
+        if self._tp:
+            self._tp.ranks.on_death(callback)
 
     def __enter__(self) -> "Engine":
         return self

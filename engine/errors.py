@@ -22,3 +22,7 @@ class RequestError(SpecError, ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class DistributedError(SpecError):
+    """A tensor-parallel rank failed to start, died or stopped answering: the engine cannot go on."""

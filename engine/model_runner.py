@@ -73,7 +73,9 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
     says (engine/models/quant.py: the decoder's linears as they are read, so the float model never
     exists whole; with int4 a GGUF's 4-bit layers from its own groups, exactly); the remaining CPU
     linears are prepacked when there is memory for it and `prepack` (engine/models/prepack.py; a
-    compiled model packs its own). `model.weight_bytes` tells what it holds."""
+    compiled model packs its own). Under tensor parallelism the model is this rank's block.
+    `model.weight_bytes` tells what it holds."""
+    from engine.distributed.sharding import local_config, local_groups
     from engine.loader import iter_weights
     from engine.loader.gguf_convert import int4_groups
     from engine.models.quant import W8A8Linear, install_gguf_groups, quantize_while_loading
@@ -81,12 +83,14 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
     cls = model_class(config, str(model_dir))
     # Built on the meta device: a float model initialised in full would be resident before loading
     # overwrites it (Qwen2.5-1.5B: 6 GB in fp32, most of it never read when quantized).
+    # Built at this rank's sizes under tensor parallelism; the config stays whole.
     with torch.device("meta"):
-        model = cls(config, max_positions=max_positions)
+        model = cls(local_config(config), max_positions=max_positions)
+    model.config = config
     model.to(dtype)
     materialize(model, device)
     groups = int4_groups(model_dir) if quantization == "int4" else None
-    provided = install_gguf_groups(model, groups) if groups else set()
+    provided = install_gguf_groups(model, local_groups(groups)) if groups else set()
     sinks = quantize_while_loading(model, quantization) if quantization else {}
     try:
         model.load_weights(iter_weights(model_dir, select=lambda name: name not in provided), sinks)

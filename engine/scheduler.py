@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 from engine.config import ServerArgs
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import DistributedError
 from engine.memory.kv_manager import KVManager
 from engine.request import FinishReason, Request, Status
 from engine.speculative.stats import SpecStats
@@ -225,6 +226,8 @@ class Scheduler:
         one that fails alone ends with an error (500) and the others go on as if nothing happened."""
         try:
             return run(items)
+        except DistributedError:
+            raise                               # no request is to blame: the engine cannot go on
         except Exception as exc:
             if len(items) > 1:
                 log.warning("a step of %d requests failed (%s); running them one by one", len(items), exc)

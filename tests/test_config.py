@@ -104,3 +104,25 @@ def test_from_dict_accepts_flags_and_aliases_and_rejects_unknown(tmp_path):
         ServerArgs.from_file(tmp_path / "bad.yaml")
     with pytest.raises(ConfigError, match="does not exist"):
         ServerArgs.from_file(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"tp_size": 0}, "--tp-size must be a positive integer"),
+    ({"tp_size": 3, "nnodes": 2, "dist_init_addr": "h:1"}, "--tp-size 3 must be a multiple of --nnodes 2"),
+    ({"tp_size": 2, "nnodes": 2}, "--nnodes > 1 needs --dist-init-addr"),
+    ({"nnodes": 2, "node_rank": 2, "tp_size": 2, "dist_init_addr": "h:1"}, "--node-rank must be in 0..1"),
+    ({"dist_init_addr": "10.0.0.1"}, "--dist-init-addr must be HOST:PORT"),
+    ({"dp_size": 2, "nnodes": 2, "tp_size": 2, "dist_init_addr": "h:1"}, "one `spec serve` per machine"),
+    ({"router_policy": "round_robin"}, "--router-policy chooses among --dp-size replicas"),
+    ({"tp_size": 2, "speculative_algorithm": "EAGLE", "speculative_draft_model_path": "d",
+      "speculative_token_map": "m.pt"}, "--speculative-token-map cannot be used with --tp-size > 1"),
+])
+def test_parallelism_flags_are_checked_before_anything_starts(flags, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("`", ".")):
+        ServerArgs(**flags)
+
+
+def test_sglang_parallelism_spellings():
+    args = ServerArgs.from_dict({"--tp": 2, "tensor_parallel_size": 2, "--dp": 3, "data-parallel-size": 3})
+    assert (args.tp_size, args.dp_size, args.ranks_per_node) == (2, 3, 2)
+    assert ServerArgs(tp_size=4, nnodes=2, dist_init_addr="10.0.0.1:5000").ranks_per_node == 2

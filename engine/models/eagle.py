@@ -22,6 +22,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from engine.distributed import group as tp
+from engine.distributed.sharding import local_config, local_rows, local_weights
 from engine.errors import ConfigError, ModelLoadError
 from engine.models.llama import MLP, Attention, DecoderLayer, RMSNorm, Rotary, fuse_weights
 from engine.speculative.token_map import HotVocabHead
@@ -36,6 +38,7 @@ class DraftVocabHead(HotVocabHead):
 
     def __init__(self, weight: torch.Tensor, ids: torch.Tensor, vocab_size: int):
         self.ids, self.weight, self.vocab_size = ids.to(weight.device), weight.detach(), vocab_size
+        self.tp = tp.building()         # built sharded: the weight is a block of the rows
 
 
 def _head_dim(config) -> int:
@@ -91,11 +94,12 @@ class Eagle3Layer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.hidden_norm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.tp = tp.building()
 
     def forward(self, embeds, h, rope, batch, backend) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(h)], dim=-1)
-        h = h + self.self_attn(x, rope, batch, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + tp.all_reduce(self.self_attn(x, rope, batch, backend), self.tp)
+        return h + tp.all_reduce(self.mlp(self.post_attention_layernorm(h)), self.tp)
 
 
 class Eagle3Draft(nn.Module):
@@ -111,7 +115,7 @@ class Eagle3Draft(nn.Module):
         self.midlayer = Eagle3Layer(config, qkv_bias)
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         # Without its own head (draft vocab = target vocab) the target's lm_head serves.
-        self.lm_head = nn.Linear(hidden, draft_vocab, bias=False) if draft_vocab else None
+        self.lm_head = nn.Linear(hidden, local_rows(draft_vocab), bias=False) if draft_vocab else None
         self.rotary = Rotary(config, _head_dim(config), max_positions)
 
     @property
@@ -152,14 +156,15 @@ def load_eagle_draft(algorithm: str, draft_dir: Path, target: nn.Module, *, max_
     ignored = {"embed_tokens.weight", "d2t", "t2d"}    # d2t is read by _draft_vocab
     vocab = target_config.vocab_size
     rows = ids = None
+    local = local_config(config, "the draft")          # this rank's block (engine/distributed/sharding.py)
     if algorithm == "EAGLE":
         ignored.add("lm_head.weight")               # the target's lm_head is the draft's (as in SGLang)
         with torch.device(device):
-            model = EagleDraft(config, max_positions, fc_bias, qkv_bias)
+            model = EagleDraft(local, max_positions, fc_bias, qkv_bias)
     else:
         rows, ids = _draft_vocab(tensors, config, vocab, source)
         with torch.device(device):
-            model = Eagle3Draft(config, aux, max_positions, fc_bias, qkv_bias, rows)
+            model = Eagle3Draft(local, aux, max_positions, fc_bias, qkv_bias, rows)
     load_draft_weights(model, tensors, ignored, source)
     model.to(dtype)
     model.rotary.float()
@@ -258,7 +263,7 @@ def load_draft_weights(model: nn.Module, tensors: dict[str, torch.Tensor], ignor
     """Copy named tensors (q/k/v and gate/up fused here) into the draft; every parameter must be given."""
     params = dict(model.named_parameters())
     loaded = set()
-    for name, tensor in fuse_weights(tensors.items(), {}):
+    for name, tensor in fuse_weights(local_weights(tensors.items()), {}):
         if name in ignored or "rotary_emb" in name:
             continue
         param = params.get(name)

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend
+from engine.distributed import group as tp
+from engine.distributed.sharding import local_weights
 from engine.forward_batch import ForwardBatch
 from engine.models.prepack import PrepackedLinear, prepack_linears
 
@@ -132,10 +134,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config) if mlp is None else mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tp = tp.building()         # built sharded: attention and MLP give partial sums (engine/distributed/)
 
     def forward(self, h, rope, batch, backend):
-        h = h + self.self_attn(self.input_layernorm(h), rope, batch, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + tp.all_reduce(self.self_attn(self.input_layernorm(h), rope, batch, backend), self.tp)
+        return h + tp.all_reduce(self.mlp(self.post_attention_layernorm(h)), self.tp)
 
 
 class LlamaModel(nn.Module):
@@ -161,6 +164,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_head: PrepackedLinear | None = None
         self.quant_head: nn.Module | None = None        # engine/models/quant.py, when the head is quantized
+        self.tp = tp.building()         # built sharded: the embedding and lm_head hold a block of the vocabulary
 
     @property
     def num_layers(self) -> int:
@@ -171,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.layers[0].self_attn
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+        return tp.embed(self.model.embed_tokens, input_ids, self.tp)
 
     def lm_head_weight(self) -> torch.Tensor:
         if self.tie_word_embeddings:
@@ -198,10 +202,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quant_head is not None:
-            return self.quant_head(hidden).float()
-        if self.packed_head is not None:
-            return self.packed_head(hidden).float()
-        return torch.nn.functional.linear(hidden, self.lm_head_weight()).float()
+            logits = self.quant_head(hidden).float()
+        elif self.packed_head is not None:
+            logits = self.packed_head(hidden).float()
+        else:
+            logits = torch.nn.functional.linear(hidden, self.lm_head_weight()).float()
+        return tp.gather_vocab(logits, self.config.vocab_size, self.tp)
 
     def prepack(self) -> int:
         """Pack the decoder's and the head's weights for CPU matmuls (engine/models/prepack.py), once the
@@ -222,7 +228,8 @@ class LlamaForCausalLM(nn.Module):
         pending: dict[str, dict[str, torch.Tensor]] = {}
         layers = self.config.num_hidden_layers
         sinks = dict(sinks or {})
-        for name, tensor in fuse_weights(((n, t) for n, t in weights if not is_mtp_weight(n, layers)), pending):
+        weights = local_weights((n, t) for n, t in weights if not is_mtp_weight(n, layers))
+        for name, tensor in fuse_weights(weights, pending):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
             if name in sinks:

@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from engine.distributed.sharding import local_config
 from engine.errors import ConfigError, ModelLoadError
 from engine.models import deepseek_v3
 from engine.models.eagle import Head, load_draft_weights, target_head
@@ -127,7 +128,8 @@ def load_mtp_draft(source: Path, target: nn.Module, *, own: bool, max_positions:
     layer = {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
     renamed = {_rename(rest, layout): t for rest, t in layer.items() if not rest.startswith(layout.unused)}
     with torch.device(device):
-        model = MtpDraft(config, layout, max_positions, moe=any(rest.startswith("mlp.gate.") for rest in layer))
+        model = MtpDraft(local_config(config, "the MTP layer"), layout, max_positions,
+                         moe=any(rest.startswith("mlp.gate.") for rest in layer))
     load_draft_weights(model, renamed, set(), source)
     model.to(dtype)
     model.rotary.float()

@@ -130,6 +130,18 @@ def _router(serving: Serving) -> APIRouter:
         info.setdefault("avg_spec_accept_length", None)
         return info
 
+    @router.get("/get_model_info")
+    async def get_model_info():
+        """SGLang's model card: sglang-router names the replicas' model from it."""
+        config = engine.model_config
+        return {"model_path": serving.model_name, "served_model_name": serving.model_name, "is_generation": True,
+                "max_context_length": serving.context_len, "vocab_size": config.vocab_size,
+                "model_type": config.model_type, "architectures": getattr(config, "architectures", None)}
+
+    # SGLang's newer names, which sglang-router reads.
+    router.add_api_route("/server_info", get_server_info, methods=["GET"], include_in_schema=False)
+    router.add_api_route("/model_info", get_model_info, methods=["GET"], include_in_schema=False)
+
     @router.post("/generate", responses=openai_api.STREAMED | error_responses(400, 503))
     async def generate(body: GenerateRequest, http: HTTPRequest):
         """SGLang's native API: cumulative `text`, `output_ids` and `meta_info` per prompt (and per n)."""

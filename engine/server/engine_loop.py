@@ -17,6 +17,7 @@ import time
 from typing import AsyncIterator, Callable, Optional, Sequence
 
 from engine.engine import Engine
+from engine.errors import DistributedError
 from engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,11 @@ class EngineLoop:
         self._progress_at = time.monotonic()     # the last step that changed anything (loop thread)
         self._event_loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread = threading.Thread(target=self._run, name="spec-engine-loop", daemon=True)
+        # A tensor-parallel rank that died or stopped answering ends the loop: `fatal` says why, and
+        # on_fatal(message) is called (the server stops). A rank that dies while the loop idles says so too.
+        self.fatal: Optional[str] = None
+        self.on_fatal: Callable[[str], None] = lambda message: None
+        engine.on_rank_failure(lambda message: self._inbox.put(("fatal", message, None)))
 
     # ------------------------------------------------------------------ event loop side
     def start(self) -> None:
@@ -150,6 +156,13 @@ class EngineLoop:
                         self._progress_at = time.monotonic()
                     self.snapshot = snapshot            # first: whoever sees an output sees figures as fresh
                     self._deliver(touched)
+                except DistributedError as exc:         # the ranks are out of step: nothing can run
+                    self.fatal = str(exc)
+                    log.error("%s; stopping the server", exc)
+                    self._stopping = True
+                    self._fail_in_flight(f"the server stopped: {exc}", also_queued=True)
+                    self.on_fatal(self.fatal)
+                    return
                 except Exception:                       # a bug: fail what is in flight, keep serving
                     log.exception("the engine loop failed; aborting the requests in flight")
                     self._fail_in_flight(INTERNAL_ERROR)
@@ -176,6 +189,8 @@ class EngineLoop:
             elif kind == "abort":
                 for rid in payload:
                     self.engine.abort(rid)
+            elif kind == "fatal":
+                raise DistributedError(f"tensor parallelism stopped: {payload}")
             else:
                 self._stopping = True
                 for rid in list(self._subs):
@@ -220,8 +235,10 @@ class EngineLoop:
                 "finish_reason": reason, "e2e_latency": 0.0, "ttft": None}}))
         self._subs.clear()
         self._send(batch)
+        if self.fatal:
+            return              # the engine cannot run a step to release the requests' memory
         try:
-            self.engine.shutdown()
+            self.engine.abort_all()
         except Exception:
             log.exception("could not reset the engine after a failed step")
 

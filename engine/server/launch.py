@@ -24,18 +24,44 @@ ANSWER_S = 5.0
 
 
 def run_server(args: ServerArgs) -> None:
-    """`spec serve`: blocks until SIGTERM or Ctrl-C, then returns once in-flight requests are done."""
+    """`spec serve`: blocks until SIGTERM or Ctrl-C, then returns once in-flight requests are done.
+    With --dp-size, runs the replicas and their router instead; with --node-rank > 0, this machine's
+    tensor-parallel ranks (engine/distributed/). Exits with status 1 when a tensor-parallel rank fails."""
     _setup_logging(args.log_level)
+    if args.dp_size > 1:
+        from engine.distributed.data_parallel import serve_replicas
+
+        sys.exit(serve_replicas(args))
+    if args.node_rank > 0:
+        from engine.distributed.launch import serve_node
+
+        sys.exit(serve_node(args))
     log.info("loading %s", args.model_path)
     engine = Engine(server_args=args)
     server = make_server(engine, args)
+    loop = server.config.app.state.serving.loop
+    failures: list[str] = []
+
+    def stop(message: str) -> None:
+        failures.append(message)
+        server.should_exit = True
+
+    loop.on_fatal = stop
+    engine.on_rank_failure(stop)        # directly too: the engine thread may be stuck in a collective
     server.run()
     # A second Ctrl-C skips the app's own shutdown; the engine thread must still end before the
     # interpreter does, or torch's threads abort the process (SIGABRT) on their way out.
-    if not server.config.app.state.serving.loop.stop(timeout=ENGINE_STOP_S):
+    stopped = loop.stop(timeout=ENGINE_STOP_S)
+    if failures:
+        print(f"error: {loop.fatal or f'tensor parallelism stopped: {failures[0]}'}; the server stopped",
+              file=sys.stderr, flush=True)
+    if not stopped:
         log.error("the engine did not stop within %g s; exiting without it", ENGINE_STOP_S)
         sys.stderr.flush()
         os._exit(1)
+    if failures:
+        sys.exit(1)
+    engine.shutdown()
 
 
 def make_server(engine: Engine, args: ServerArgs) -> "Server":
@@ -81,8 +107,10 @@ class Server(uvicorn.Server):
         if self.started:
             host = self.servers[0].sockets[0].getsockname()[0]
             url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+            args = self.config.app.state.serving.args
+            ranks = f" | tensor parallel over {args.tp_size} ranks" if args.tp_size > 1 else ""
             print(f"spec serve: ready at {url} | model {self.config.app.state.serving.model_name} | "
-                  f"speculative: {describe_speculative(self.config.app.state.serving.args)}", flush=True)
+                  f"speculative: {describe_speculative(args)}{ranks}", flush=True)
 
     @contextlib.contextmanager
     def capture_signals(self):

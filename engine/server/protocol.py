@@ -109,6 +109,9 @@ class _OpenAISampling(APIBody):
     regex: Optional[str] = None                      # SGLang's grammar constraints
     ebnf: Optional[str] = None
     json_schema: Optional[str] = None
+    return_hidden_states: bool = False               # SGLang's; sglang-router sends its default
+
+    NEUTRAL = {"return_hidden_states": (False,)}
 
     def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
         """SGLang sampling_params for the engine (validated there)."""
@@ -161,6 +164,13 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None       # default: true, as OpenAI's
     response_format: Optional[ResponseFormat] = None
+    # SGLang's; sglang-router sends them. Without a reasoning parser (SGLang's --reasoning-parser, which
+    # this server lacks) there is no reasoning to separate or stream apart, so either value is honoured.
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+
+    NEUTRAL = {**_OpenAISampling.NEUTRAL, "continue_final_message": (False,)}
 
 
 class CompletionRequest(_OpenAISampling):
@@ -170,7 +180,7 @@ class CompletionRequest(_OpenAISampling):
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)     # alternatives per token (OpenAI: at most 5)
     best_of: Optional[int] = None
 
-    NEUTRAL = {"suffix": (None, ""), "best_of": (None, 1)}
+    NEUTRAL = {**_OpenAISampling.NEUTRAL, "suffix": (None, ""), "best_of": (None, 1)}
 
 
 class GenerateRequest(APIBody):
@@ -182,3 +192,15 @@ class GenerateRequest(APIBody):
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
     return_text_in_logprobs: bool = False
+    # SGLang's, which sglang-router sends at their defaults: any model name is served by this one, and
+    # request metrics are not logged per request here whatever log_metrics says.
+    model: Optional[str] = None
+    log_metrics: bool = True
+    return_hidden_states: bool = False
+    background: bool = False
+    no_logs: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
+
+    NEUTRAL = {"return_hidden_states": (False,), "background": (False,), "return_bytes": (False,),
+               "return_entropy": (False,)}

@@ -77,8 +77,8 @@ class StandaloneDrafter(ModelDrafter):
 
     def after_prefill(self, step: PrefillStep, out: ForwardOutput, next_tokens: Sequence[int]) -> None:
         reqs = step.reqs
-        self.runner.forward(make_batch(self.table, [r.row for r in reqs], [r.kv_len for r in reqs],
-                                       step.input_ids(), step.slots, step.lens))
+        self.feed(make_batch(self.table, [r.row for r in reqs], [r.kv_len for r in reqs], step.input_ids(),
+                             step.slots, step.lens), None)
 
     def after_verify(self, step: DecodeStep, out: ForwardOutput, sizes: Sequence[int],
                      paths: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]]) -> None:
@@ -87,10 +87,10 @@ class StandaloneDrafter(ModelDrafter):
         if not fed:
             return
         reqs = [step.reqs[b] for b in fed]
-        self.runner.forward(make_batch(
+        self.feed(make_batch(
             self.table, [r.row for r in reqs], [r.kv_len for r in reqs], [t for b in fed for t in tokens[b][:-1]],
             torch.cat([step.slots[b, paths[b][1:]] for b in fed]), [len(paths[b]) - 1 for b in fed],
-            extra_slots=step.slots[fed, 0], extra_lens=[1] * len(fed)))
+            extra_slots=step.slots[fed, 0], extra_lens=[1] * len(fed)), None)
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from engine.distributed import group as tp
 from engine.errors import ConfigError
 
 _FORMAT = "a file written by torch.save(token_ids, path), token_ids a list or 1-D tensor of distinct ints"
@@ -95,9 +96,11 @@ class HotVocabHead:
         self.ids = hot_ids.to(weight.device)
         self.weight = weight.detach()[self.ids]          # a contiguous copy of the hot rows
         self.vocab_size = vocab_size
+        self.tp = None      # FR-Spec maps are refused under tensor parallelism (engine/config.py)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final normed hidden states -> fp32 logits [N, vocab_size]."""
-        hot = torch.nn.functional.linear(hidden, self.weight).float()
+        # Sharded (EAGLE-3's own head under tensor parallelism): the rows are this rank's block of them.
+        hot = tp.gather_vocab(torch.nn.functional.linear(hidden, self.weight).float(), len(self.ids), self.tp)
         out = hot.new_full((hot.shape[0], self.vocab_size), float("-inf"))
         return out.index_copy_(1, self.ids, hot)
