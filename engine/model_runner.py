@@ -78,7 +78,7 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
     from engine.distributed.sharding import local_config, local_groups
     from engine.loader import iter_weights
     from engine.loader.gguf_convert import int4_groups
-    from engine.models.quant import W8A8Linear, install_gguf_groups, quantize_while_loading
+    from engine.models.quant import install_gguf_groups, quantize_while_loading, release_freed_memory
 
     cls = model_class(config, str(model_dir))
     # Built on the meta device: a float model initialised in full would be resident before loading
@@ -99,14 +99,8 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
         raise ModelLoadError(f"{model_dir}: weights do not match the {kind} config: {exc.args[0]}. "
                              "Pass a complete checkpoint.") from None
     release_freed_memory()
-    if quantization == "w8a8_int8":
-        model.quant_head = W8A8Linear(model.lm_head_weight(), None)
-        if not model.tie_word_embeddings:       # the float head is not read any more
-            model.lm_head.weight = nn.Parameter(torch.empty_like(model.lm_head.weight, device="meta"),
-                                                requires_grad=False)
     model.eval()
-    model.weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
-                             if t.device.type != "meta")
+    model.weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     if prepack and can_prepack(device, dtype):
         import psutil
 
@@ -117,18 +111,6 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
         else:
             model.weight_bytes += model.prepack()
     return model
-
-
-def release_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS. Loading frees many tensor-sized buffers, after which
-    glibc keeps them (its mmap threshold grows with each freed large block): ~0.5 GB of Qwen2.5-1.5B's
-    resident memory. Elsewhere than glibc, nothing to do."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def materialize(model: nn.Module, device) -> None:

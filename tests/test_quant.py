@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.loader import gguf_quant
-from engine.models.quant import Int4Linear, W8A8Linear
+from engine.models.quant import Int4Linear, Int8Embedding, W8A8Linear, quantize_rows
 from tests.test_loader import gguf_tokenizer, tiny_llama, write_tiny_gguf
 from tests.test_speculative_lossless import ALGOS, draft_setup, prompts as lossless_prompts
 from tests.tiny import make_model, tiny_engine
@@ -74,6 +74,36 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(cls):
     assert torch.equal(linear(x), alone) and torch.equal(linear(x[:8]), alone[:8])
 
 
+def test_int8_embedding_looks_up_the_rows_the_head_multiplies_by():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(300, 64, generator=g)
+    q, scale = quantize_rows(w, slice_rows=128)           # slices that do not divide the rows
+    embedding, head = Int8Embedding(q, scale, torch.float32), W8A8Linear(q, scale, None)
+    ids = torch.tensor([0, 299, 7, 7])
+    assert torch.equal(embedding(ids), embedding.dequantized()[ids])
+    assert (embedding.dequantized() - w).abs().max() <= scale.max() / 2 + 1e-6      # half a step at most
+    x = torch.randn(3, 64, generator=g)
+    expected = x @ embedding.dequantized().t()
+    assert (head(x) - expected).abs().max() < 0.03 * expected.abs().max()
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_w8a8_keeps_the_embedding_and_head_as_int8_only(tie, tmp_path):
+    """No float copy of the vocabulary is kept; the rows readers of the head get (token maps, EAGLE
+    drafts) are the ones the logits are computed with."""
+    model_dir = make_model(tmp_path / "m", "llama", seed=4, tie=tie)
+    eng = tiny_engine(model_dir, quantization="w8a8_int8")
+    model = eng._target.model
+    assert isinstance(model.model.embed_tokens, Int8Embedding) and isinstance(model.quant_head, W8A8Linear)
+    assert not hasattr(model, "lm_head") or tie
+    assert not any(p.numel() >= 320 * 64 for p in model.parameters())
+    hidden = torch.randn(2, 64)
+    reference = hidden @ model.lm_head_weight().t()
+    assert (model.compute_logits(hidden) - reference).abs().max() < 0.03 * reference.abs().max()
+    out = eng.generate(input_ids=[[5, 6, 7]], sampling_params={**GREEDY, "max_new_tokens": 4})
+    assert len(out[0]["output_ids"]) == 4
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("target"), "llama", seed=3)
@@ -124,6 +154,7 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     assert type(int4_layer.self_attn.qkv_proj).__name__ == type(int4_layer.mlp.down_proj).__name__ == "Int4Linear"
     assert "W8A8Linear" in kinds[("quantization", "w8a8_int8")]
     assert engines[("quantization", "w8a8_int8")]._target.model.quant_head is not None
+    assert "Int8Embedding" in kinds[("quantization", "w8a8_int8")]
     assert not {"W8A8Linear", "Int4Linear"} & kinds[("dtype", "float32")]
     ids = tokenizer("the quick brown fox").input_ids
     logits = {}

@@ -102,12 +102,12 @@ def all_reduce(x: torch.Tensor, g: Optional[Group]) -> torch.Tensor:
     return x
 
 
-def embed(embedding: nn.Embedding, ids: torch.Tensor, g: Optional[Group]) -> torch.Tensor:
+def embed(embedding: nn.Module, ids: torch.Tensor, g: Optional[Group]) -> torch.Tensor:
     """A vocabulary-parallel lookup: each rank holds a contiguous block of the rows, looks up the ids
     in it and zeroes the others; the sum over the ranks is every id's row, exactly."""
     if g is None:
         return embedding(ids)
-    rows = embedding.weight.shape[0]
+    rows = embedding.num_embeddings
     local = ids - g.rank * rows
     inside = (local >= 0) & (local < rows)
     out = embedding(torch.where(inside, local, 0)).masked_fill(~inside[..., None], 0)

@@ -18,6 +18,7 @@ from engine.distributed import group as tp
 from engine.distributed.sharding import local_weights
 from engine.forward_batch import ForwardBatch
 from engine.models.prepack import PrepackedLinear, prepack_linears
+from engine.models.quant import Int8Embedding
 
 
 class RMSNorm(nn.Module):
@@ -178,9 +179,11 @@ class LlamaForCausalLM(nn.Module):
         return tp.embed(self.model.embed_tokens, input_ids, self.tp)
 
     def lm_head_weight(self) -> torch.Tensor:
+        """The head's float weights, for the rare reader of its rows (token maps, EAGLE drafts): a
+        quantized head keeps no float copy, so they are rebuilt here."""
         if self.tie_word_embeddings:
-            return self.model.embed_tokens.weight
-        # A quantized untied head keeps no float copy: its rows are rebuilt for the rare reader (token maps).
+            embedding = self.model.embed_tokens
+            return embedding.dequantized() if isinstance(embedding, Int8Embedding) else embedding.weight
         return self.quant_head.dequantized() if self.quant_head is not None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,

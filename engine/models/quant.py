@@ -11,8 +11,8 @@
   _weight_int4pack_mm_for_cpu with bf16 activations (scalar, 7-20x slower, with fp32 ones), the scale
   and min rounded to bf16 there. As fast as w8a8_int8 for one row, ~3.7x that for 8. 0.625 bytes per
   weight, and a GGUF's own 4-bit weights served exactly.
-The layers quantized are the decoder's (q/k/v, o, gate/up, down); with w8a8_int8 the lm_head too.
-Embeddings and norms stay dense.
+The layers quantized are the decoder's (q/k/v, o, gate/up, down); with w8a8_int8 the lm_head too, and
+the embedding is kept as the same int8 rows (Int8Embedding). Norms stay dense.
 """
 
 from __future__ import annotations
@@ -61,21 +61,43 @@ class Int4Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+def quantize_rows(weight: torch.Tensor, slice_rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per row: (q [N, K] int8, scale [N] fp32). In slices of rows: a
+    whole vocabulary's fp32 temporaries would be several times its size (Qwen2.5's 151936 x 1536
+    embedding: ~1 GB each)."""
+    scale = torch.empty(weight.shape[0])
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    for rows in range(0, weight.shape[0], slice_rows):
+        w = weight.detach()[rows:rows + slice_rows].float()
+        s = scale[rows:rows + slice_rows] = (w.abs().amax(-1) / 127).clamp(min=1e-12)
+        q[rows:rows + slice_rows] = (w / s[:, None]).round_().clamp_(-127, 127)
+    return q, scale
+
+
+class Int8Embedding(nn.Module):
+    """A token embedding kept as int8 rows (quantize_rows): a lookup reads 1 byte per value, and a tied
+    head is made from the same rows (Qwen2.5-1.5B: 0.93 GB of fp32 embedding becomes 0.23 GB)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = q.shape
+        self.register_buffer("weight_int8", q, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.weight_int8[ids].float() * self.scale[ids, None]).to(self.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return (self.weight_int8.float() * self.scale[:, None]).to(self.dtype)
+
+
 class W8A8Linear(nn.Module):
     _ZERO_POINT = 128           # int8 activations, offset into uint8 for oneDNN's u8 x s8 product
-    _ROWS = 8192                # weight rows quantized at a time
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[nn.Parameter]):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: Optional[nn.Parameter]):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        scale = torch.empty(self.out_features)
-        q = torch.empty(weight.shape, dtype=torch.int8)
-        # In slices of rows: a whole head's fp32 temporaries would be several times its size (Qwen2.5's
-        # 151936 x 1536 head: ~1 GB each).
-        for rows in range(0, self.out_features, self._ROWS):
-            w = weight.detach()[rows:rows + self._ROWS].float()
-            s = scale[rows:rows + self._ROWS] = (w.abs().amax(-1) / 127).clamp(min=1e-12)
-            q[rows:rows + self._ROWS] = (w / s[:, None]).round_().clamp_(-127, 127)
+        self.out_features, self.in_features = q.shape
         self.register_buffer("weight_int8", torch.ops.onednn.qlinear_prepack(q, None), persistent=False)
         self.register_buffer("scale", scale, persistent=False)
         self.register_buffer("zero_points", torch.zeros(self.out_features, dtype=torch.int64), persistent=False)
@@ -83,7 +105,7 @@ class W8A8Linear(nn.Module):
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "W8A8Linear":
-        return cls(weight, bias)
+        return cls(*quantize_rows(weight), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
@@ -141,8 +163,30 @@ def quantize_while_loading(model: nn.Module, kind: str) -> dict[str, Callable[[t
 
         def sink(weight: torch.Tensor, parent=parent, attr=attr, bias=pending.bias) -> None:
             setattr(parent, attr, KINDS[kind].quantize(weight, bias))
+            release_freed_memory()
 
         sinks[f"{prefix}.weight"] = sink
+    if kind == "w8a8_int8" and hasattr(model, "quant_head"):
+        sinks.update(_vocab_sinks(model))
+    return sinks
+
+
+def _vocab_sinks(model: nn.Module) -> dict[str, Callable[[torch.Tensor], None]]:
+    """w8a8_int8's embedding and head: the embedding kept as int8 rows, a tied head made from the same
+    rows, an untied one from its own; neither keeps a float copy."""
+    dtype = model.model.embed_tokens.weight.dtype
+    model.model.embed_tokens = _Pending(None)
+
+    def embedding(weight: torch.Tensor) -> None:
+        q, scale = quantize_rows(weight)
+        model.model.embed_tokens = Int8Embedding(q, scale, dtype)
+        if model.tie_word_embeddings:
+            model.quant_head = W8A8Linear(q, scale, None)
+
+    sinks = {"model.embed_tokens.weight": embedding}
+    if not model.tie_word_embeddings:
+        del model.lm_head
+        sinks["lm_head.weight"] = lambda weight: setattr(model, "quant_head", W8A8Linear.quantize(weight, None))
     return sinks
 
 
@@ -155,6 +199,18 @@ class _Pending(nn.Module):
 
     def forward(self, x):
         raise RuntimeError("a quantized linear was used before its weight was loaded")
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS. Loading frees many tensor-sized buffers, which glibc
+    keeps (its mmap threshold grows with each freed large block): trimmed after each quantized layer,
+    Qwen2.5-1.5B's peak resident memory drops from 2.87 to 2.50 GiB. Elsewhere than glibc, nothing to do."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def install_gguf_groups(model: nn.Module, groups: Callable[[str], Optional[tuple]]) -> set[str]:
