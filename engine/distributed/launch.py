@@ -30,7 +30,7 @@ import torch
 from engine.config import ServerArgs
 from engine.distributed import group
 from engine.distributed.mirror import STOP_S, Follower, Leader
-from engine.errors import ConfigError, DistributedError
+from engine.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
