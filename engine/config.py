@@ -104,8 +104,9 @@ class ServerArgs:
         "Admission order of waiting requests: lpm (longest cached prefix first) or fcfs.",
         group="Memory and scheduling", choices=("lpm", "fcfs")))
     attention_backend: str = field(default="auto", metadata=opt(
-        "Attention kernels. torch (SDPA over the paged cache, CPU and GPU) is the one implemented so far; "
-        "triton and flashinfer are accepted as SGLang spells them and refused until they land. auto: torch.",
+        "Attention kernels. torch: SDPA over the paged cache, CPU and GPU. triton: paged-attention kernels "
+        "that read the cache in place (decode, extend and tree verification), on a CUDA GPU; needed for "
+        "CUDA graphs. flashinfer: accepted as SGLang spells it, refused until it lands. auto: torch.",
         group="Memory and scheduling", choices=("auto", "torch", "triton", "flashinfer")))
     num_threads: Optional[int] = field(default=None, metadata=opt(
         "CPU threads for torch. Default: torch's choice (all cores).", group="Memory and scheduling"))
@@ -140,11 +141,12 @@ class ServerArgs:
         "file, or a hub path org/repo/file.pt (as SGLang reads it).",
         group="Speculative decoding"))
     speculative_draft_model_quantization: str = field(default="auto", metadata=opt(
-        "Weight format of the draft model's layers, as --quantization (auto: w8a8_int8 for a GGUF draft on "
-        "the CPU; EAGLE/EAGLE3/MTP heads stay unquantized).",
+        "Weight format of the draft model's layers, as --quantization (auto: the target's rule for a GGUF "
+        "STANDALONE draft on the CPU; EAGLE/EAGLE3/MTP heads are quantized only when a format is named).",
         group="Speculative decoding", choices=("auto", "none", "int4", "w8a8_int8")))
     speculative_attention_mode: str = field(default="prefill", metadata=opt(
-        "How the target attends over the draft tree: prefill (one extend pass) or decode.",
+        "How the target attends over the draft tree: prefill (one extend pass per request, a tree mask) or "
+        "decode (every tree node a decode row reading its path; what CUDA graphs capture). Same tokens.",
         group="Speculative decoding", choices=("prefill", "decode")))
     speculative_sampling: str = field(default="auto", metadata=opt(
         "Acceptance rule when sampling: tree (SGLang's tree speculative sampling, drafts treated as "
@@ -172,15 +174,19 @@ class ServerArgs:
         "JSON outputs without free whitespace between tokens: stops a weak model from looping on newlines, "
         "at the cost of pretty-printed output.", group="Structured output"))
 
-    # --- Compilation and CUDA graphs (GPU; accepted and recorded on CPU) --------------------------
+    # --- Compilation and CUDA graphs ----------------------------------------------------------------
     enable_torch_compile: bool = field(default=False, metadata=opt(
-        "torch.compile the model's decode step.", group="Compilation"))
+        "torch.compile the target's decode and verify forwards (inductor; on the CPU with frozen weights, "
+        "compiled code cached on disk under ~/.cache/spec/inductor); compiling takes a minute or more at "
+        "start-up, shown as it goes.", group="Compilation"))
     torch_compile_max_bs: int = field(default=32, metadata=opt(
-        "Largest batch size compiled with torch.compile.", group="Compilation"))
+        "Largest batch size run compiled; larger decode batches run eagerly.", group="Compilation"))
     cuda_graph_max_bs: Optional[int] = field(default=None, metadata=opt(
-        "Largest batch size captured in CUDA graphs (GPU only). Lower it on out-of-memory errors.",
+        "Largest batch size captured in CUDA graphs (GPU with --attention-backend triton; no effect on the "
+        "CPU, said at start-up). Lower it on out-of-memory errors.",
         group="Compilation"))
-    disable_cuda_graph: bool = field(default=False, metadata=opt("Do not capture CUDA graphs.", group="Compilation"))
+    disable_cuda_graph: bool = field(default=False, metadata=opt(
+        "Do not capture CUDA graphs (no effect on the CPU, said at start-up).", group="Compilation"))
 
     # --- Parallelism (docs/distributed.md) ---------------------------------------------------------
     tp_size: int = field(default=1, metadata=opt(
