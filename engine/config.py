@@ -153,6 +153,12 @@ class ServerArgs:
         "deterministic), rejection (min(1, p/q) with the draft's probabilities; chain drafts, topk 1). "
         "auto: rejection for chains with a draft model, else tree.",
         group="Speculative decoding", choices=("auto", "tree", "rejection")))
+    enable_multi_layer_eagle: bool = field(default=False, metadata=opt(
+        "On a model with several MTP layers (MiMo-V2's mtp_layers, DeepSeek-style nextn layers), draft step k "
+        "runs MTP layer k instead of the first layer at every step, as SGLang does. A chain (topk 1) of at most "
+        "as many steps as layers; the auto tree is one step per layer. On by itself for EAGLE/MTP without a "
+        "draft model when the target has more than one MTP layer and the tree fits; set it for a separate "
+        "nextn checkpoint.", group="Speculative decoding"))
     speculative_ngram_min_match_window_size: int = field(default=1, metadata=opt(
         "NGRAM: shortest suffix matched against the n-gram cache.", group="Speculative decoding"))
     speculative_ngram_max_match_window_size: int = field(default=12, metadata=opt(
@@ -266,7 +272,7 @@ class ServerArgs:
         algo = self.speculative_algorithm
         tree = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
         if algo is None:
-            if self.speculative_draft_model_path or any(v is not None for v in tree):
+            if self.speculative_draft_model_path or self.enable_multi_layer_eagle or any(v is not None for v in tree):
                 raise ConfigError("Speculative flags were given without --speculative-algorithm; "
                                   f"pass one of {', '.join(SPECULATIVE_ALGORITHMS)}.")
             return
@@ -300,6 +306,15 @@ class ServerArgs:
                               "--speculative-num-draft-tokens together, or none of them for the auto choice.")
         if all(given):
             self._check_tree(*tree)
+        if self.enable_multi_layer_eagle:
+            if algo not in ("EAGLE", "MTP") or (algo == "EAGLE" and self.speculative_draft_model_path):
+                raise ConfigError("--enable-multi-layer-eagle drafts with a model's several MTP layers: use it with "
+                                  "--speculative-algorithm EAGLE without a draft model (the target's MTP layers) or "
+                                  "MTP (the target's, or a nextn checkpoint as --speculative-draft-model-path).")
+            if all(given) and tree[1] != 1:
+                raise ConfigError("--enable-multi-layer-eagle drafts a chain, one token per MTP layer (as SGLang): "
+                                  "set --speculative-eagle-topk 1 and --speculative-num-draft-tokens steps + 1, or "
+                                  "drop the flag for a tree drafted by the first MTP layer.")
 
     def _check_parallelism(self) -> None:
         if not 0 <= self.node_rank < self.nnodes:
@@ -365,8 +380,8 @@ class ServerArgs:
         changes: dict[str, Any] = {}
         if self.context_length is None:
             changes["context_length"] = model_max_positions(model_config)
+        layers = getattr(model_config, "num_nextn_predict_layers", None) or 0
         if self.speculative_algorithm == "EAGLE" and not self.speculative_draft_model_path:
-            layers = getattr(model_config, "num_nextn_predict_layers", None) or 0
             if not layers:
                 raise ConfigError("--speculative-algorithm EAGLE needs a draft model: pass "
                                   "--speculative-draft-model-path (alias --draft). Without one it drafts with the "
@@ -374,10 +389,39 @@ class ServerArgs:
                                   "in its config.json).")
             log.info("EAGLE without a draft model: drafting with the target's %d MTP layer(s), as MTP", layers)
             changes["speculative_algorithm"] = "MTP"
-        if self.speculative_algorithm and self.speculative_num_steps is None:
+        if changes.get("speculative_algorithm", self.speculative_algorithm) == "MTP":
+            changes.update(self._multi_layer(layers))
+        if self.speculative_algorithm and self.speculative_num_steps is None and "speculative_num_steps" not in changes:
             llama = model_config.model_type in ("llama", "mistral")
             changes.update(zip(_TREE_FIELDS, AUTO_TREE_LLAMA if llama else AUTO_TREE_OTHER))
         return dataclasses.replace(self, **changes) if changes else self
+
+    def _multi_layer(self, layers: int) -> dict[str, Any]:
+        """Multi-layer MTP drafting for a target with `layers` MTP layers of its own (0 when the draft is a
+        separate nextn checkpoint, counted as it loads): on when asked, or by itself when the target has
+        several and the tree is a chain no deeper than them; the auto tree is then one step per layer."""
+        steps, topk = self.speculative_num_steps, self.speculative_eagle_topk
+        own = not self.speculative_draft_model_path
+        if not self.enable_multi_layer_eagle:
+            if not own or layers < 2:
+                return {}
+            if steps is not None and (topk != 1 or steps > layers):
+                log.info("The target has %d MTP layers; a tree of %d steps and topk %d is drafted by the first one "
+                         "(multi-layer drafting takes chains of at most %d steps)", layers, steps, topk, layers)
+                return {}
+            log.info("The target has %d MTP layers: draft step k runs layer k (--enable-multi-layer-eagle)", layers)
+        elif own and layers < 2:
+            raise ConfigError(f"--enable-multi-layer-eagle needs a model with several MTP layers; this target has "
+                              f"{layers} (num_nextn_predict_layers). Drop the flag: its MTP layer drafts every step.")
+        changes: dict[str, Any] = {"enable_multi_layer_eagle": True}
+        if steps is None and own:
+            changes.update(zip(_TREE_FIELDS, (layers, 1, layers + 1)))
+        elif steps is not None and own and steps > layers:
+            raise ConfigError(f"--speculative-num-steps {steps} needs {steps} MTP layers with "
+                              f"--enable-multi-layer-eagle (draft step k runs layer k); this target has {layers}. "
+                              f"Lower --speculative-num-steps to {layers} (and --speculative-num-draft-tokens to "
+                              f"{layers + 1}), or drop the flag to draft every step with the first layer.")
+        return changes
 
     def prefill_chunk(self, device: str) -> int:
         """Most prompt tokens one request feeds per prefill step (the whole budget when not chunking)."""

@@ -341,8 +341,9 @@ def _has_draft_model(args: ServerArgs) -> bool:
 
 def _draft_key(args: ServerArgs) -> tuple:
     """What a loaded drafter drafts with: another tree shape can reuse it, nothing else can."""
+    # Multi-layer MTP drafting loads one layer per step.
     return (args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_draft_model_revision,
-            args.speculative_token_map)
+            args.speculative_token_map, args.enable_multi_layer_eagle and args.speculative_num_steps)
 
 
 def hold_back_stop_prefix(text: str, stops: Sequence[str]) -> str:

@@ -116,8 +116,8 @@ class Scheduler:
         return sum(self.worker.slots_per_request + min(r.remaining_tokens(), _RESERVE_TOKENS) for r in reqs)
 
     def _release_kv(self, req: Request) -> None:
+        self.worker.release(req)        # first: a drafter may clear state kept by the request's table row
         self.kv.release(req)
-        self.worker.release(req)
 
     # ------------------------------------------------------------------ prefill
     def _schedule_prefill(self) -> list[tuple[Request, int]]:

@@ -226,9 +226,10 @@ def _deepseek_layer(config: dict, prefix: str, seed: int) -> dict[str, torch.Ten
     return {f"{prefix}.{name}": t.contiguous() for name, t in tensors.items()}
 
 
-def save_mtp_target(path: Path, base_dir: Path, layout: str, seed: int = 0, exact: bool = False) -> Path:
+def save_mtp_target(path: Path, base_dir: Path, layout: str, seed: int = 0,
+                    exact: bool | tuple[bool, ...] = False) -> Path:
     """A copy of the tiny target `base_dir` (qwen2 for "mimo", llama or deepseek_v3 for "nextn") with one MTP
-    layer."""
+    layer, or one per flag of an `exact` tuple (layer k exact when exact[k]; seeds seed + k)."""
     import shutil
 
     from safetensors.torch import save_file
@@ -236,15 +237,18 @@ def save_mtp_target(path: Path, base_dir: Path, layout: str, seed: int = 0, exac
     path = Path(path)
     shutil.copytree(base_dir, path)
     config, weights = _target(path)
+    flags = exact if isinstance(exact, tuple) else (exact,)
     if layout == "mimo":
         config.update(architectures=["MiMoForCausalLM"], model_type="mimo", attention_bias=True)
-        prefix = "model.mtp_layers.0"
-    else:
-        prefix = f"model.layers.{config['num_hidden_layers']}"
-        weights[f"{prefix}.embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
-        weights[f"{prefix}.shared_head.head.weight"] = weights["lm_head.weight"].clone()
-    config["num_nextn_predict_layers"] = 1
-    weights.update(mtp_layer_tensors(config, prefix, layout, seed, exact))
+    config["num_nextn_predict_layers"] = len(flags)
+    for k, flag in enumerate(flags):
+        if layout == "mimo":
+            prefix = f"model.mtp_layers.{k}"
+        else:
+            prefix = f"model.layers.{config['num_hidden_layers'] + k}"
+            weights[f"{prefix}.embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+            weights[f"{prefix}.shared_head.head.weight"] = weights["lm_head.weight"].clone()
+        weights.update(mtp_layer_tensors(config, prefix, layout, seed + k, flag))
     (path / "config.json").write_text(json.dumps(config, indent=2))
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path

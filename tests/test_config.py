@@ -85,6 +85,12 @@ def test_nextn_is_mtp_and_case_insensitive():
     ({"max_running_requests": 0}, "positive integer"),
     ({"dtype": "int8"}, "must be one of"),
     ({"chunked_prefill_size": -5}, "chunked-prefill-size"),
+    ({"enable_multi_layer_eagle": True}, "without --speculative-algorithm"),
+    ({"enable_multi_layer_eagle": True, "speculative_algorithm": "NGRAM"}, "EAGLE without a draft model.*or MTP"),
+    ({"enable_multi_layer_eagle": True, "speculative_algorithm": "EAGLE", "speculative_draft_model_path": "d"},
+     "several MTP layers"),
+    ({"enable_multi_layer_eagle": True, "speculative_algorithm": "MTP", "speculative_num_steps": 3,
+      "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 6}, "drafts a chain"),
 ])
 def test_bad_flags_are_clear_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):

@@ -216,3 +216,51 @@ def test_bad_mtp_checkpoints_are_refused(models, tmp_path):
     (declared / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     with pytest.raises(ModelLoadError, match="declares 1 MTP layer.*holds no MTP weights"):
         load(declared)
+
+
+# ------------------------------------------------------------------------------------------------ multi-layer
+@pytest.mark.parametrize("layout", ["mimo", "nextn"])
+def test_multi_layer_draft_step_k_runs_layer_k(tmp_path, layout):
+    """A bigram target and 3 MTP layers, each exact (computes the target's next token) or random: with
+    multi-layer drafting (on by itself: 3 layers, 3 steps) the drafts accepted per verification are the
+    exact layers before the first random one, so step k ran layer k. 32 tokens: 1 from the prefill, then
+    1 + accepted drafts per verification."""
+    base = ckpt.make_bigram_target(make_model(tmp_path / "base", BASE_ARCH[layout]))
+    batch = prompts(3, seed=5)
+    plain = [o["output_ids"] for o in engine(base).generate(input_ids=batch, sampling_params=GREEDY)]
+    for exact, verifies in (((True, True, True), 8), ((True, True, False), 11), ((True, False, True), 16)):
+        target = ckpt.save_mtp_target(tmp_path / "".join(map(str, map(int, exact))), base, layout, exact=exact)
+        eng = engine(target, "MTP")
+        assert eng.args.enable_multi_layer_eagle and eng._scheduler.worker.drafter.model.num_layers == 3
+        outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == plain
+        assert [o["meta_info"]["spec_verify_ct"] for o in outs] == [verifies] * 3, exact
+    # Off (3 steps exceed 2 layers): the exact first layer drafts every step, all accepted; on (2 steps),
+    # the random second layer drafts the second token.
+    target = ckpt.save_mtp_target(tmp_path / "two", base, layout, exact=(True, False))
+    for tree, multi, verifies in (((3, 1, 4), False, 8), ((2, 1, 3), True, 16)):
+        eng = engine(target, "EAGLE", tree=tree)
+        assert eng.args.enable_multi_layer_eagle == multi
+        outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == plain
+        assert [o["meta_info"]["spec_verify_ct"] for o in outs] == [verifies] * 3
+
+
+def test_multi_layer_refusals(models, tmp_path):
+    single = models["mimo"][1]
+    with pytest.raises(ConfigError, match="needs a model with several MTP layers; this target has 1.*Drop the flag"):
+        engine(single, "MTP", enable_multi_layer_eagle=True)
+    three = ckpt.save_mtp_target(tmp_path / "three", models["mimo"][0], "mimo", exact=(False,) * 3)
+    with pytest.raises(ConfigError, match="--speculative-num-steps 4 needs 4 MTP layers.*has 3.*Lower"):
+        engine(three, "MTP", tree=(4, 1, 5), enable_multi_layer_eagle=True)
+    with pytest.raises(ConfigError, match="drafts a chain.*--speculative-eagle-topk 1"):
+        engine(three, "MTP", tree=TREE, enable_multi_layer_eagle=True)
+    # A separate nextn checkpoint with one layer: counted as it loads.
+    with pytest.raises(ConfigError, match="has 1 MTP layer.*--speculative-num-steps 3 runs one layer per step"):
+        engine(models["nextn"][0], "MTP", draft=models["nextn"][1], enable_multi_layer_eagle=True)
+    # Auto: the tree is one step per layer; a tree (topk > 1) is drafted by the first layer.
+    assert engine(three, "MTP", tree=TREE).args.enable_multi_layer_eagle is False
+    from engine import Engine
+
+    eng = Engine(model_path=str(three), dtype="float32", speculative_algorithm="EAGLE", max_total_tokens=4096)
+    assert eng.args.enable_multi_layer_eagle and eng.args.speculative_tree == (3, 1, 4)

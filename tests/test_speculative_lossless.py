@@ -209,3 +209,40 @@ def test_sampling_matches_target_distribution(algo, sampling, shape, small_targe
     expected = exact_two_token_distribution(small_target, prompt, SamplingParams(**sampling))
     assert chi_square_p(counts, expected) > 0.001
     assert eng.stats()["avg_spec_accept_length"] > 1.2, "drafts were accepted: the test exercised verification"
+
+
+# ---------------------------------------------------------------------------------------- multi-layer MTP
+@pytest.fixture(scope="module")
+def multi_mtp(tmp_path_factory):
+    """Per layout: a tiny target with 3 random MTP layers, as MiMo-V2 carries them (mimo, on a Qwen2) and as
+    DeepSeek-style nextn layers after the decoder layers (nextn, on a Llama), and its plain greedy outputs."""
+    from tests import eagle_checkpoints as eagle
+
+    root, out = tmp_path_factory.mktemp("multi_mtp"), {}
+    for layout, arch in (("mimo", "qwen2"), ("nextn", "llama")):
+        base = make_model(root / arch, arch, seed=3)
+        plain = Engine(model_path=str(base), dtype="float32", max_total_tokens=8192)
+        out[layout] = (eagle.save_mtp_target(root / layout, base, layout, seed=7, exact=(False,) * 3),
+                       [o["output_ids"] for o in plain.generate(input_ids=prompts(), sampling_params=GREEDY)])
+    return out
+
+
+@pytest.mark.parametrize("layout", ["mimo", "nextn"])
+@pytest.mark.parametrize("shape, variant", [
+    ((3, 1, 4), {}), ((2, 1, 3), {"enable_multi_layer_eagle": True}), ((3, 1, 4), {"chunked_prefill_size": 8}),
+    ((3, 1, 4), {"max_total_tokens": 75}), ((3, 1, 4), {"disable_radix_cache": True}),
+], ids=["auto", "flag-2-of-3", "chunked", "preempt", "no-radix"])
+def test_multi_layer_mtp_greedy_identical(multi_mtp, layout, shape, variant):
+    """Draft step k runs MTP layer k (3 layers: on by itself); decoding stays the target's (fp32) under
+    scheduling variants and over radix-shared prefixes (the second call repeats the prompts)."""
+    target, plain = multi_mtp[layout]
+    steps, topk, tokens = shape
+    eng = Engine(model_path=str(target), dtype="float32", speculative_algorithm="MTP", speculative_num_steps=steps,
+                 speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens,
+                 **{"max_total_tokens": 8192, **variant})
+    assert eng.args.enable_multi_layer_eagle
+    for _ in range(2):
+        outs = eng.generate(input_ids=prompts(), sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == plain
+    if variant.get("max_total_tokens"):
+        assert eng.stats()["retractions"] > 0

@@ -5,7 +5,9 @@ x_{t+1}, exactly the (feature, next token) pair an EAGLE draft reads, so the EAG
 unchanged: `target_features` / `forward(embeds, features, positions, batch, backend)` / `logits`.
 forward() returns the layer's final normed output, which is both the lm_head input (the target's
 lm_head) and the feature of the next draft step: later steps reuse the first MTP layer recursively
-with its own output, as SGLang does; further MTP layers (MiMo may have several) are not used.
+with its own output, as SGLang does. With --enable-multi-layer-eagle (auto for a target with several
+MTP layers, as MiMo-V2 has), the first `steps` layers load as MtpLayers and draft step k runs layer k,
+each layer reading the target's feature (engine/speculative/eagle.py, MultiLayerMtpDrafter).
 
 Layouts, in the target's checkpoint or in a separate one:
 - MiMo (XiaomiMiMo `modeling_mimo.py`, SGLang `mimo_mtp.py`): `model.mtp_layers.{k}.{token_layernorm,
@@ -64,12 +66,12 @@ NEXTN = MtpLayout(
 LAYOUTS = (MIMO, NEXTN)
 
 
-def decoder_layer(config, moe: bool) -> tuple[nn.Module, int]:
-    """The decoder layer inside an MTP layer of `config`'s family (its K/V at layer 0 of the draft's own
-    pool), and the head dims its rotary turns."""
+def decoder_layer(config, moe: bool, index: int) -> tuple[nn.Module, int]:
+    """The decoder layer inside MTP layer `index` of `config`'s family (its K/V at layer `index` of the
+    draft's own pool), and the head dims its rotary turns."""
     if deepseek_v3.uses_mla(config):
-        return deepseek_v3.decoder_layer(config, 0, moe), config.qk_rope_head_dim
-    layer = DecoderLayer(config, 0)
+        return deepseek_v3.decoder_layer(config, index, moe), config.qk_rope_head_dim
+    layer = DecoderLayer(config, index)
     return layer, layer.self_attn.head_dim
 
 
@@ -78,13 +80,13 @@ class MtpDraft(nn.Module):
     aux_layers: tuple[int, ...] = ()
     head: Head          # the target's lm_head (or its FR-Spec rows); set by load_mtp_draft
 
-    def __init__(self, config, layout: MtpLayout, max_positions: int, moe: bool = False):
+    def __init__(self, config, layout: MtpLayout, max_positions: int, moe: bool = False, index: int = 0):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.embed_norm = RMSNorm(hidden, eps)
         self.hidden_norm = RMSNorm(hidden, eps)
         self.proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layer, rotary_dims = decoder_layer(config, moe)
+        self.layer, rotary_dims = decoder_layer(config, moe, index)
         self.final_norm = RMSNorm(hidden, eps)
         self.rotary = Rotary(config, rotary_dims, max_positions)
         self.hidden_first, self.mask_first_position = layout.hidden_first, layout.mask_first_position
@@ -107,10 +109,34 @@ class MtpDraft(nn.Module):
         return self.head(h)
 
 
+class MtpLayers(nn.Module):
+    """The first MTP layers, for multi-layer drafting: layer k keeps its K/V at layer k of the draft's
+    pool and drafts step k; all share the target's lm_head and one rotary table."""
+    aux_layers: tuple[int, ...] = ()
+
+    def __init__(self, layers: list[MtpDraft]):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.num_layers = len(layers)
+        for layer in layers[1:]:
+            layer.rotary = layers[0].rotary
+
+    @property
+    def attention(self) -> nn.Module:
+        return self.layers[0].attention
+
+    def target_features(self, hidden: torch.Tensor, captured: dict[int, torch.Tensor], rows) -> torch.Tensor:
+        return hidden[rows]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.layers[0].head(h)
+
+
 def load_mtp_draft(source: Path, target: nn.Module, *, own: bool, max_positions: int, dtype: torch.dtype,
-                   device: str, hot_ids: Optional[torch.Tensor] = None) -> MtpDraft:
-    """The first MTP layer of the checkpoint `source`: the target's own (`own`) or a separate one.
-    Only the MTP layers' tensors are read. `hot_ids`: an FR-Spec token map restricting the lm_head."""
+                   device: str, hot_ids: Optional[torch.Tensor] = None, num_layers: int = 1) -> nn.Module:
+    """The first MTP layer of the checkpoint `source` (the target's own, `own`, or a separate one) as an
+    MtpDraft, or its first `num_layers` > 1 as MtpLayers. Only the MTP layers' tensors are read.
+    `hot_ids`: an FR-Spec token map restricting the lm_head."""
     from engine.loader import iter_weights, load_config
 
     config = target.config if own else load_config(source)
@@ -121,28 +147,42 @@ def load_mtp_draft(source: Path, target: nn.Module, *, own: bool, max_positions:
     # with one layer, reading layer 0 as well costs little and the eh_proj marker tells which it is.
     first = 0 if not own and layers == 1 else layers
     tensors = dict(iter_weights(source, select=lambda name: is_mtp_weight(name, first)))
-    layout, index, count = _find_layer(tensors, config, source, own)
-    if count > 1:
-        log.info("%s has %d MTP layers; drafting reuses the first one at every step", source, count)
+    layout, ids = _find_layers(tensors, config, source, own)
+    if len(ids) < num_layers:
+        raise ConfigError(f"{source} has {len(ids)} MTP layer(s), but --enable-multi-layer-eagle with "
+                          f"--speculative-num-steps {num_layers} runs one layer per step. Lower the steps to "
+                          f"{len(ids)} (draft tokens {len(ids) + 1}), or drop the flag to draft every step with the "
+                          "first layer.")
+    if num_layers == 1 and len(ids) > 1:
+        log.info("%s has %d MTP layers; drafting reuses the first one at every step", source, len(ids))
+    head = target_head(target, hot_ids)
+    layers = [_load_layer(layout, tensors, index, k, config, source, max_positions, dtype, device, head)
+              for k, index in enumerate(ids[:num_layers])]
+    return layers[0] if num_layers == 1 else MtpLayers(layers).eval()
+
+
+def _load_layer(layout: MtpLayout, tensors: dict, index: int, k: int, config, source: Path, max_positions: int,
+                dtype: torch.dtype, device: str, head: Head) -> MtpDraft:
+    """The checkpoint's MTP layer `index` as the draft's layer k."""
     prefix = layout.prefix.format(index)
     layer = {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
     renamed = {_rename(rest, layout): t for rest, t in layer.items() if not rest.startswith(layout.unused)}
     with torch.device(device):
         model = MtpDraft(local_config(config, "the MTP layer"), layout, max_positions,
-                         moe=any(rest.startswith("mlp.gate.") for rest in layer))
+                         moe=any(rest.startswith("mlp.gate.") for rest in layer), index=k)
     load_draft_weights(model, renamed, set(), source)
     model.to(dtype)
     model.rotary.float()
-    model.head = target_head(target, hot_ids)
+    model.head = head
     return model.eval()
 
 
-def _find_layer(tensors: dict, config, source: Path, own: bool) -> tuple[MtpLayout, int, int]:
-    """(layout, index of the first MTP layer, number of MTP layers) found by the projection's name."""
+def _find_layers(tensors: dict, config, source: Path, own: bool) -> tuple[MtpLayout, list[int]]:
+    """(layout, indices of the MTP layers in order) found by the projection's name."""
     for layout in LAYOUTS:
         ids = sorted(int(m[1]) for name in tensors if (m := layout.marker.fullmatch(name)))
         if ids:
-            return layout, ids[0], len(ids)
+            return layout, ids
     declared = getattr(config, "num_nextn_predict_layers", None) or 0
     if declared:
         raise ModelLoadError(f"{source}/config.json declares {declared} MTP layer(s) (num_nextn_predict_layers) "

@@ -12,7 +12,8 @@ tokens shifted by one (the bonus last) with the target's features at the path's 
 the path is committed to. The output at the newest position, `last` (kept per table row), gives the
 roots' draft distribution at the next step: the root's children are fed at position kv_len.
 MTP runs the same way with a multi-token-prediction layer as the draft (engine/models/mtp.py): the
-target's own, or a separate nextn checkpoint's given as the draft path.
+target's own, or a separate nextn checkpoint's given as the draft path; with several MTP layers and
+--enable-multi-layer-eagle, MultiLayerMtpDrafter runs layer k for draft step k.
 """
 
 from __future__ import annotations
@@ -25,14 +26,18 @@ from torch import nn
 
 from engine.attention import create_backend
 from engine.config import ServerArgs
+from engine.errors import ConfigError
 from engine.forward_batch import ForwardBatch, make_batch
 from engine.loader import resolve_model_path
 from engine.memory.kv_pool import KVPool
 from engine.model_runner import ForwardOutput, kv_layout
 from engine.models.eagle import load_eagle_draft
 from engine.models.mtp import load_mtp_draft
+from engine.request import Request
+from engine.speculative.draft_tree_search import search_trees
 from engine.speculative.model_drafter import ModelDrafter
 from engine.speculative.token_map import load_token_map
+from engine.speculative.tree import TreeBatch
 from engine.step import DecodeStep, PrefillStep
 
 log = logging.getLogger(__name__)
@@ -55,7 +60,8 @@ def load_draft(args: ServerArgs, target: nn.Module, target_dir, dtype: torch.dty
     draft_dir = target_dir if own else resolve_model_path(args.speculative_draft_model_path,
                                                           args.speculative_draft_model_revision)
     if algorithm == "MTP":
-        model = load_mtp_draft(draft_dir, target, own=own, **kw)
+        layers = args.speculative_num_steps if args.enable_multi_layer_eagle else 1
+        model = load_mtp_draft(draft_dir, target, own=own, num_layers=layers, **kw)
     else:
         model = load_eagle_draft(algorithm, draft_dir, target, **kw)
     if args.speculative_draft_model_quantization in ("int4", "w8a8_int8"):
@@ -118,3 +124,93 @@ class EagleDrafter(ModelDrafter):
         features = self.model.target_features(out.hidden, out.captured, rows)
         self._extend([r.row for r in step.reqs], [r.kv_len for r in step.reqs], [t for ts in tokens for t in ts],
                       slots, [len(p) for p in paths], features)
+
+
+class MultiLayerMtpDrafter(EagleDrafter):
+    """--enable-multi-layer-eagle: draft step k (0-based) runs MTP layer k, as SGLang's multi-layer EAGLE
+    worker runs MiMo-V2's layers. Every layer reads the target's feature f_t; layer k at position t reads
+    the token k + 1 places on, x_{t+k+1}, and predicts x_{t+k+2} (layer 0 is the EAGLE draft above).
+
+    Layer k's K/V (layer k of the draft's pool, at the target's slots) at position t can be committed once
+    x_{t+k+1} is: after each target pass, layer k is fed the same new tokens as layer 0 at positions k
+    earlier, with the target's features of those positions (the newest steps - 1 are kept per row in
+    `tail`). To draft token k + 1, layer k runs over the newest k positions with the drafted tokens
+    1 .. k in scratch slots (its own buffer: every layer reuses the same k slots) and its output at the
+    newest position scores the token. Positions before a request's first own prefill (a radix-shared
+    prefix) have no kept features: there layer k keeps the K/V another request gave it, which may lower
+    acceptance, never the output. Chains only (topk 1), as in SGLang."""
+
+    def __init__(self, model: nn.Module, *args, **kwargs):
+        self.layers = model.num_layers
+        super().__init__(model, *args, **kwargs)
+        self.tail = torch.zeros((self.last.shape[0], self.layers - 1, self.last.shape[1]), dtype=self.last.dtype,
+                                device=self.last.device)
+        self.kept = [0] * self.last.shape[0]         # valid rows at the end of tail, per table row
+
+    def set_tree(self, tree: tuple[int, int, int], rejection: bool) -> None:
+        steps, topk, _ = tree
+        if topk != 1 or steps > self.layers:
+            raise ConfigError(f"Multi-layer MTP drafting loaded {self.layers} MTP layers for chains: it drafts "
+                              f"at most {self.layers} steps with topk 1, not {steps} steps with topk {topk}.")
+        super().set_tree(tree, rejection)
+
+    def _run(self, k: int, batch: ForwardBatch, features: torch.Tensor) -> torch.Tensor:
+        self.backend.prepare(batch)
+        return self.model.layers[k](self.target.embed(batch.input_ids), features, batch.positions, batch,
+                                    self.backend)
+
+    def _extend(self, rows: list[int], prefix: list[int], tokens, slots: torch.Tensor, lens: list[int],
+                features: torch.Tensor) -> None:
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.table.device)
+        features = features.to(self.tail.dtype)
+        starts = [sum(lens[:b]) for b in range(len(lens))]
+        for k in range(self.layers):
+            picked = []     # (row, prefix, tokens, slots, features) of layer k's window per row
+            for row, s, n, o in zip(rows, prefix, lens, starts):
+                # Positions [s - j, s + n - k): j kept ones before the piece, re-read with the new tokens.
+                j = min(k, self.kept[row])
+                m = n - k + j
+                if m > 0:
+                    picked.append((row, s - j, tokens[o + n - m:o + n],
+                                   torch.cat([self.table[row, s - j:s], slots[o:o + n].to(self.table.device)])[:m],
+                                   torch.cat([self.tail[row, self.layers - 1 - j:], features[o:o + n]])[:m]))
+            if not picked:
+                continue
+            r, p, t, sl, f = zip(*picked)
+            w = [len(x) for x in t]
+            hidden = self._run(k, make_batch(self.table, r, p, torch.cat(t), torch.cat(sl), w), torch.cat(f))
+            if k == 0:
+                ends = torch.tensor(w, device=hidden.device).cumsum(0) - 1
+                self.last[torch.tensor(r, device=hidden.device)] = hidden[ends].to(self.last.dtype)
+        for row, n, o in zip(rows, lens, starts):
+            kept = min(self.layers - 1, self.kept[row] + n)
+            newest = torch.cat([self.tail[row], features[o:o + n]])[-kept:]
+            self.tail[row, self.layers - 1 - kept:] = newest
+            self.kept[row] = kept
+
+    def draft(self, step: DecodeStep) -> TreeBatch:
+        reqs, device = step.reqs, self.table.device
+        roots = torch.tensor([r.token_ids[-1] for r in reqs], device=device)
+        rows, kv_lens = [r.row for r in reqs], [r.kv_len for r in reqs]
+        scratch = step.slots[:, self.num_draft_tokens:].to(device)
+        drafted = []
+
+        def expand(depth: int, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+            # Layer `depth` over the newest w positions, reading the drafted tokens depth - w + 1 .. depth.
+            drafted.append(tokens[:, 0])
+            chain = torch.stack(drafted, 1)
+            w = [min(depth, self.kept[row]) for row in rows]
+            batch = make_batch(self.table, rows, [n - x for n, x in zip(kv_lens, w)],
+                               torch.cat([chain[b, depth - x:] for b, x in enumerate(w)]),
+                               torch.cat([scratch[b, :x] for b, x in enumerate(w)]), w)
+            features = torch.cat([self.tail[row, self.layers - 1 - x:] for row, x in zip(rows, w)])
+            hidden = self._run(depth, batch, features)
+            ends = torch.tensor(w, device=hidden.device).cumsum(0) - 1
+            return self.scores(hidden[ends])[:, None]
+
+        root_scores, _ = self.root(step, roots)
+        return search_trees(roots, root_scores, expand, self.steps, 1, self.num_draft_tokens, self._draw(reqs))
+
+    def release(self, req: Request) -> None:
+        if req.row is not None:
+            self.kept[req.row] = 0

@@ -45,6 +45,7 @@ def create_drafter(args: ServerArgs, draft: Optional[nn.Module], target: nn.Modu
         from engine.speculative.standalone import StandaloneDrafter
 
         return StandaloneDrafter(draft, num_slots, table, tree, rejection, eos_ids, args.attention_backend)
-    from engine.speculative.eagle import EagleDrafter
+    from engine.speculative.eagle import EagleDrafter, MultiLayerMtpDrafter
 
-    return EagleDrafter(draft, target, num_slots, max_rows, table, tree, rejection, eos_ids, args.attention_backend)
+    kind = MultiLayerMtpDrafter if args.enable_multi_layer_eagle else EagleDrafter
+    return kind(draft, target, num_slots, max_rows, table, tree, rejection, eos_ids, args.attention_backend)
