@@ -99,7 +99,7 @@ def token_map(
         if magpie.MAGPIE in sources:
             count = magpie.share(sources, num_prompts)
             with _Bar(f"the target writing {count} prompts (magpie)") as bar:
-                written[magpie.MAGPIE] = magpie.write_prompts(
+                written[magpie.MAGPIE], _ = magpie.write_prompts(
                     engine, count, magpie.MagpieSettings(str(engine.model_dir)), gen_batch, bar.advance)
         prompts = load_prompts(sources, num_prompts, written)
         model_dir, config, tokenizer, eos = engine.model_dir, engine.model_config, engine.tokenizer, engine.eos_ids
