@@ -241,6 +241,11 @@ def train_eagle3(
                                                      help="Tokens generated per --eval-prompts prompt.")] = 128,
     device: Device = "auto",
     dtype: Dtype = "auto",
+    quantization: Annotated[Literal["auto", "none", "int4", "w8a8_int8"], typer.Option(
+        "--quantization", rich_help_panel=GEN,
+        help="The target's weight format while generating, as spec serve --quantization (auto: as spec serve picks "
+             "it, so the head learns the hidden states it will be served with). The data records it: data made "
+             "otherwise is not reused.")] = "auto",
     threads: Threads = None,
 ) -> None:
     """Train an EAGLE-3 head for a target, on CPU or GPU, and save it in the EAGLE-3 layout.
@@ -258,7 +263,8 @@ def train_eagle3(
                         num_prompts=num_prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                         gen_batch=gen_batch, data_dir=data_dir, draft_vocab=draft_vocab, ttt_steps=ttt_steps,
                         epochs=epochs, max_steps=max_steps, time_budget=time_budget, batch_tokens=batch_tokens,
-                        lr=lr, save_every=save_every, resume=resume, device=device, dtype=dtype, precision=precision,
+                        lr=lr, save_every=save_every, resume=resume, device=device, dtype=dtype, quantization=quantization,
+                        precision=precision,
                         seed=seed, eval_prompts=eval_prompts, eval_dataset=eval_dataset,
                         eval_max_new_tokens=eval_max_new_tokens, threads=threads)
     with _Bar() as bar:

@@ -9,8 +9,13 @@ own forwards. The radix cache is off so that every position is computed.
 
 A sample is one conversation of N tokens: ids [N], prompt length P, and per fed position t < N - 1:
 aux [N-1, 3H], final [N-1, H] (bfloat16) and argmax [N-1] (-1 where unknown). Samples are written in
-shards of `group` prompts (torch.save, read back memory-mapped), listed in manifest.json with what
-produced them, so a run that stops resumes at the next shard and a finished set is reused.
+shards of consecutive prompts (torch.save, read back memory-mapped), listed in manifest.json with the
+settings that produced them (DataSpec) and a digest of every prompt a shard answered.
+
+A directory grows across runs: a run with more prompts than it holds answers only the new ones (new
+shards); a run with fewer uses the data of its first prompts. Both hold only when the run's prompts
+begin with the stored ones (checked prompt by prompt, by content) and the settings are the same; a
+run that stops resumes at the next shard.
 """
 
 from __future__ import annotations
@@ -57,53 +62,96 @@ def take_sample(req: Request) -> Optional[dict]:
 # ------------------------------------------------------------------------------------------------ writing
 @dataclass(frozen=True)
 class DataSpec:
-    """What a data directory was made from; a directory made otherwise is not reused."""
+    """The settings a data directory was made with: data made otherwise is neither reused nor grown.
+    dtype and quantization are the target's as resolved (what its hidden states were computed in)."""
     model: str
     aux_layers: tuple[int, ...]
     generation: Generation
-    prompts_sha: str
-    group: int
+    dtype: str
+    quantization: str
 
     def to_json(self) -> dict:
         return {**asdict(self), "aux_layers": list(self.aux_layers)}
 
 
-def prompts_digest(prompts: Sequence[str]) -> str:
-    return hashlib.sha256("\x00".join(prompts).encode()).hexdigest()[:16]
+def prompt_digest(prompt: str) -> str:
+    return hashlib.sha256(prompt.encode()).hexdigest()[:12]
 
 
-def generate_data(engine, prompts: Sequence[str], data_dir: Path, spec: DataSpec, *,
-                  on_step: Optional[Callable[[int, int], None]] = None) -> list[Path]:
-    """Write the shards still missing for `prompts` under data_dir; return every shard in order.
-    on_step(new tokens, newly finished prompts) follows the generation; the prompts of shards found
-    from an earlier run count as finished at the start."""
+def open_data(data_dir: Path, spec: DataSpec, prompts: Sequence[str]) -> dict:
+    """The directory's manifest (a new, empty one when there is none), once its settings are `spec`'s
+    and its prompts and `prompts` begin alike; a ConvertError saying what differs otherwise."""
+    data_dir = Path(data_dir)
+    path = data_dir / "manifest.json"
+    if not path.is_file():
+        return {"spec": spec.to_json(), "shards": []}
+    manifest = json.loads(path.read_text())
+    stored, wanted = _flat(manifest.get("spec", {})), _flat(spec.to_json())
+    if any("digests" not in s for s in manifest.get("shards", [])):
+        raise ConvertError(f"{data_dir} was written by an older spec, which kept no per-prompt digests, so it "
+                           "cannot be checked or grown; delete it or pass another --data-dir.")
+    differ = [k for k in wanted if stored.get(k) != wanted[k]]
+    if differ:
+        raise ConvertError(f"{data_dir} holds data generated with other settings: "
+                           + "; ".join(f"{k} {stored.get(k)!r} there, {wanted[k]!r} now" for k in differ)
+                           + ". Pass the settings it was made with to reuse or grow it, or another --data-dir "
+                             "(or delete it) for new data.")
+    digests = [d for s in manifest["shards"] for d in s["digests"]]
+    for i, (prompt, digest) in enumerate(zip(prompts, digests)):
+        if prompt_digest(prompt) != digest:
+            raise ConvertError(f"{data_dir} was made from other prompts: prompt {i + 1} of this run is not the one it "
+                               f"answered (first words now: {prompt[:60]!r}). Data grows only when the prompt list "
+                               "begins with the stored one: pass the --prompts sources of the run that made it, in "
+                               "the same order, or another --data-dir.")
+    return manifest
+
+
+def _flat(spec: dict) -> dict:
+    """The generation settings beside the others, so that an error names the one that differs."""
+    return {**{k: v for k, v in spec.items() if k != "generation"}, **spec.get("generation", {})}
+
+
+def stored_prompts(manifest: dict) -> int:
+    return sum(s["prompts"] for s in manifest["shards"])
+
+
+def generate_data(engine, prompts: Sequence[str], data_dir: Path, manifest: dict, group: int, *,
+                  on_step: Optional[Callable[[int, int], None]] = None) -> dict:
+    """Append shards of `group` prompts answering the prompts past those `manifest` (open_data's)
+    holds; returns it. on_step(new tokens, newly finished prompts) follows the generation."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    manifest_path = data_dir / "manifest.json"
-    manifest = {"spec": spec.to_json(), "shards": []}
-    if manifest_path.is_file():
-        old = json.loads(manifest_path.read_text())
-        if old.get("spec") != manifest["spec"]:
-            raise ConvertError(f"{data_dir} holds training data made differently (another model, prompt set or "
-                               "generation settings); use another directory (--output or --data-dir) or delete it.")
-        manifest = old
-    done = sum(s["prompts"] for s in manifest["shards"])
-    if on_step and done:
-        on_step(0, done)
-    if done >= len(prompts):
-        return [data_dir / s["file"] for s in manifest["shards"]]
-    engine.capture_hidden_states(spec.aux_layers)
+    done = stored_prompts(manifest)
+    spec = manifest["spec"]
+    engine.capture_hidden_states(spec["aux_layers"])
     ids = chat_prompt_ids(engine.tokenizer, prompts[done:])
-    for k, reqs in enumerate(generate_groups(engine, ids, spec.generation, spec.group, first_index=done,
-                                             on_step=on_step)):
-        samples = [s for s in (take_sample(r) for r in reqs) if s is not None]
+    for reqs in generate_groups(engine, ids, Generation(**spec["generation"]), group, first_index=done,
+                                on_step=on_step):
+        taken = [take_sample(r) for r in reqs]
+        samples = [s for s in taken if s is not None]
         name = f"shard_{len(manifest['shards']):05d}.pt"
-        tokens = sum(int(s["ids"].numel()) for s in samples)
         if samples:
             _save_shard(data_dir / name, samples)
-        manifest["shards"].append({"file": name, "prompts": len(reqs), "samples": len(samples), "tokens": tokens})
-        _write_json(manifest_path, manifest)
-    return [data_dir / s["file"] for s in manifest["shards"]]
+        first = stored_prompts(manifest)
+        manifest["shards"].append({
+            "file": name, "prompts": len(reqs), "samples": len(samples),
+            "tokens": sum(int(s["ids"].numel()) for s in samples),
+            "skipped": [k for k, s in enumerate(taken) if s is None],   # prompts without a sample, by offset
+            "digests": [prompt_digest(p) for p in prompts[first:first + len(reqs)]]})
+        _write_json(data_dir / "manifest.json", manifest)
+    return manifest
+
+
+def data_shards(data_dir: Path, manifest: dict, num_prompts: int) -> list[tuple[Path, int]]:
+    """(shard, samples to read from its start) covering the first `num_prompts` prompts."""
+    out, covered = [], 0
+    for shard in manifest["shards"]:
+        if covered >= num_prompts:
+            break
+        take = min(shard["prompts"], num_prompts - covered)
+        out.append((Path(data_dir) / shard["file"], take - sum(k < take for k in shard["skipped"])))
+        covered += shard["prompts"]
+    return out
 
 
 def _save_shard(path: Path, samples: list[dict]) -> None:
@@ -140,15 +188,16 @@ class Sample:
         return self.aux.shape[0]
 
 
-def load_samples(shards: Sequence[Path]) -> list[Sample]:
-    """Every sample, as views into memory-mapped shards (pages are read when a batch uses them)."""
+def load_samples(shards: Sequence[tuple[Path, int]]) -> list[Sample]:
+    """The first `count` samples of each (shard, count), as views into memory-mapped shards (pages are
+    read when a batch uses them)."""
     samples = []
-    for path in shards:
-        if not Path(path).is_file():
+    for path, count in shards:
+        if not count:
             continue                                 # a shard whose prompts all failed holds nothing
         shard = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         tok = pos = 0
-        for n, p in zip(shard["lengths"].tolist(), shard["prompt_lens"].tolist()):
+        for n, p in zip(shard["lengths"][:count].tolist(), shard["prompt_lens"][:count].tolist()):
             samples.append(Sample(shard["ids"][tok:tok + n], p, shard["aux"][pos:pos + n - 1],
                                   shard["final"][pos:pos + n - 1], shard["argmax"][pos:pos + n - 1]))
             tok, pos = tok + n, pos + n - 1

@@ -22,12 +22,14 @@ class Generation:
     top_p: float = 1.0
 
 
-def generation_engine(model: str, batch: int, max_new_tokens: int, dtype: str, device: str):
+def generation_engine(model: str, batch: int, max_new_tokens: int, dtype: str, device: str,
+                      quantization: str = "auto"):
     """An Engine for answering prompt sets: `batch` requests at a time in a KV pool sized for them
-    (prompts up to 512 tokens), radix cache off so that every position is computed (and captured)."""
+    (prompts up to 512 tokens), radix cache off so that every position is computed (and captured).
+    `quantization` as `spec serve --quantization`."""
     from engine import Engine
 
-    return Engine(model_path=model, dtype=dtype, device=device, disable_radix_cache=True,
+    return Engine(model_path=model, dtype=dtype, device=device, quantization=quantization, disable_radix_cache=True,
                   max_running_requests=batch, max_total_tokens=batch * (max_new_tokens + 512))
 
 
