@@ -154,3 +154,41 @@ def test_command_line_grows_the_data_and_refuses_other_settings(target, tmp_path
     refused = run(8, "c", "--temperature", "0.5")
     assert refused.exit_code == 2 and "temperature 0.0 there, 0.5 now" in refused.output
     assert "Traceback" not in refused.output
+
+
+def test_the_next_group_runs_before_a_group_is_handed_back(target):
+    """Groups come back in order with their own requests, but the batch does not drain at a group's
+    end: the next group is already queued (and the answers are those of one big group)."""
+    from engine.convert.generate import Generation, generate_groups, generation_engine
+
+    engine = generation_engine(str(target), 2, 12, "float32", "cpu")
+    prompts = [[5 + i, 6, 7, 8 + i] for i in range(6)]
+    gen = Generation(max_new_tokens=12)
+    busy, outputs = [], []
+    for reqs in generate_groups(engine, prompts, gen, 2):
+        busy.append(engine.has_work)
+        outputs += [r.output_ids for r in reqs]
+    assert busy == [True, True, False]
+    whole = next(generate_groups(engine, prompts, gen, 6))
+    assert outputs == [r.output_ids for r in whole] and len(outputs) == 6
+
+
+def test_a_gguf_generates_in_dense_weights_unless_asked(tmp_path, monkeypatch):
+    """auto answers with a 4-bit GGUF's layers dequantized (bf16 where native: the int4 kernel is
+    built for one token, not batches); float32 stays the exact reference; an explicit format is kept."""
+    from engine.convert.generate import generation_format
+    from engine.loader import convert_gguf
+    from engine.models.prepack import native_bf16
+    from tests.test_loader import gguf_tokenizer, tiny_llama, write_tiny_gguf
+
+    monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
+    tokenizer = gguf_tokenizer()
+    path = tmp_path / "tiny.Q4_1.gguf"
+    write_tiny_gguf(path, tiny_llama(len(tokenizer)), tokenizer, {p: "Q4_1" for p in ("q_proj", "up_proj")})
+    converted = convert_gguf(path)
+    config = load_config(converted)
+    native = "bfloat16" if native_bf16("cpu") else "float32"
+    assert generation_format(converted, config, "auto", "auto", "cpu") == (native, "none")
+    assert generation_format(converted, config, "auto", "float32", "cpu") == ("float32", "none")
+    assert generation_format(converted, config, "int4", "auto", "cpu") == (native, "int4")
+    assert generation_format(converted, config, "w8a8_int8", "auto", "cpu")[1] == "w8a8_int8"

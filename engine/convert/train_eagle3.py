@@ -33,7 +33,7 @@ import torch
 from engine.convert import ConvertError, magpie
 from engine.convert.eagle3_data import (DataSpec, Sample, data_shards, generate_data, load_samples, open_data,
                                         stored_prompts)
-from engine.convert.generate import Generation, chat_prompt_ids, generation_engine
+from engine.convert.generate import Generation, chat_prompt_ids, generation_engine, generation_format
 from engine.convert.token_map import build_token_map, chat_special_ids, count_ids, coverage, eagle3_vocab
 from engine.convert.ttt import collate, unrolled_loss
 
@@ -226,15 +226,11 @@ def _data(opts: TrainOptions, target_dir: Path, aux, device: str, progress: Prog
 
 
 def _data_spec(opts: TrainOptions, target_dir: Path, aux, device: str) -> DataSpec:
-    """The data's settings, with the target's dtype and weight format as the engine will resolve them."""
     from engine.loader import load_config
-    from engine.model_runner import resolve_dtype, resolve_quantization
 
-    config = load_config(target_dir)
-    quantization = resolve_quantization(opts.quantization, target_dir, device, opts.dtype, config)
-    dtype = resolve_dtype(opts.dtype, config, device, quantized=quantization is not None)
+    dtype, quantization = generation_format(target_dir, load_config(target_dir), opts.quantization, opts.dtype, device)
     return DataSpec(str(target_dir), tuple(aux), Generation(opts.max_new_tokens, opts.temperature, opts.seed),
-                    str(dtype).removeprefix("torch."), quantization or "none")
+                    dtype, quantization)
 
 
 def _target_tensors(target_dir: Path, config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
