@@ -173,9 +173,9 @@ def test_the_next_group_runs_before_a_group_is_handed_back(target):
     assert outputs == [r.output_ids for r in whole] and len(outputs) == 6
 
 
-def test_a_gguf_generates_in_dense_weights_unless_asked(tmp_path, monkeypatch):
-    """auto answers with a 4-bit GGUF's layers dequantized (bf16 where native: the int4 kernel is
-    built for one token, not batches); float32 stays the exact reference; an explicit format is kept."""
+def test_a_gguf_generates_as_served_unless_asked(tmp_path, monkeypatch):
+    """auto answers as spec serve would serve a 4-bit GGUF (its own 4-bit groups, the head's on-policy
+    data); float32 stays the exact reference; an explicit format (the faster dense bf16) is kept."""
     from engine.convert.generate import generation_format
     from engine.loader import convert_gguf
     from engine.models.prepack import native_bf16
@@ -188,7 +188,7 @@ def test_a_gguf_generates_in_dense_weights_unless_asked(tmp_path, monkeypatch):
     converted = convert_gguf(path)
     config = load_config(converted)
     native = "bfloat16" if native_bf16("cpu") else "float32"
-    assert generation_format(converted, config, "auto", "auto", "cpu") == (native, "none")
+    assert generation_format(converted, config, "auto", "auto", "cpu") == (native, "int4")
     assert generation_format(converted, config, "auto", "float32", "cpu") == ("float32", "none")
-    assert generation_format(converted, config, "int4", "auto", "cpu") == (native, "int4")
-    assert generation_format(converted, config, "w8a8_int8", "auto", "cpu")[1] == "w8a8_int8"
+    assert generation_format(converted, config, "none", "bfloat16", "cpu") == ("bfloat16", "none")
+    assert generation_format(converted, config, "w8a8_int8", "auto", "cpu") == (native, "w8a8_int8")

@@ -26,18 +26,11 @@ class Generation:
 
 
 def generation_format(model_dir, config, quantization: str, dtype: str, device: str) -> tuple[str, str]:
-    """(dtype, weight format) the target answers in, resolved. `quantization` and `dtype` as spec
-    serve takes them, but auto differs for a GGUF on a CPU: its 4-bit layers dequantized into dense
-    weights, in bf16 where bf16 is native. Those are the file's weights, as int4 (serve's auto there)
-    computes them with bf16 activations too, but a batch of 32-64 decodes ~3x faster through AMX's
-    dense bf16 GEMM than through the int4 kernel, which is built for one token (docs/convert.md)."""
-    from engine.loader.gguf_convert import int4_groups
+    """(dtype, weight format) the target answers in, resolved as spec serve resolves its --dtype and
+    --quantization: by default the data comes from the target as it is served, whose argmax is what a
+    head must predict (a 4-bit GGUF on a CPU: int4; docs/convert.md measures the alternatives)."""
     from engine.model_runner import resolve_dtype, resolve_quantization
-    from engine.models.prepack import native_bf16
 
-    if quantization == "auto" and device == "cpu" and dtype != "float32" and int4_groups(model_dir) is not None:
-        quantization = "none"
-        dtype = "bfloat16" if dtype == "auto" and native_bf16(device) else dtype
     quantized = resolve_quantization(quantization, model_dir, device, dtype, config)
     resolved = resolve_dtype(dtype, config, device, quantized=quantized is not None)
     return str(resolved).removeprefix("torch."), quantized or "none"

@@ -66,7 +66,7 @@ class TrainOptions:
     resume: bool = False
     device: str = "auto"
     dtype: str = "auto"                       # the target's dtype while generating and evaluating
-    quantization: str = "auto"                # the target's weight format, as spec serve --quantization
+    quantization: str = "auto"                # the generating target's weight format (generate.generation_format)
     precision: str = "auto"                   # training compute: bf16 autocast, fp32, or auto (bf16 where native)
     seed: int = 0
     eval_prompts: int = 0
