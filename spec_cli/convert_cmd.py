@@ -245,7 +245,7 @@ def train_eagle3(
         "--quantization", rich_help_panel=GEN,
         help="The target's weight format while generating, as spec serve --quantization (auto: as spec serve picks "
              "it, so the head learns the target it will be served with). For a 4-bit GGUF on a CPU with native "
-             "bf16, '--quantization none --dtype bfloat16' generates ~2.4x faster, its argmax a little off the "
+             "bf16, '--quantization none --dtype bfloat16' generates ~2.3x faster, its argmax a little off the "
              "int4 target's (docs/convert.md). The data records it: data made otherwise is not reused.")] = "auto",
     threads: Threads = None,
 ) -> None:
