@@ -90,13 +90,27 @@ def test_an_older_data_directory_is_refused(target, tmp_path):
         run_data(target, opts)
 
 
-def test_prompts_without_a_sample_are_skipped_by_offset():
+def test_a_damaged_data_directory_is_named(target, tmp_path):
+    prompts = write_prompts(tmp_path / "p.txt", 8)
+    opts = options(target, tmp_path / "head", prompts, num_prompts=4, max_new_tokens=8)
+    run_data(target, opts)
+    (opts.data_path / "shard_00000.pt").unlink()
+    with pytest.raises(ConvertError, match="shard_00000.pt is missing.*delete"):
+        run_data(target, opts)
+    (opts.data_path / "manifest.json").write_text("{")
+    with pytest.raises(ConvertError, match="manifest.json is not valid JSON"):
+        run_data(target, opts)
+
+
+def test_prompts_without_a_sample_are_skipped_by_offset(tmp_path):
     manifest = {"shards": [{"file": "a.pt", "prompts": 4, "skipped": [1]},
                            {"file": "b.pt", "prompts": 4, "skipped": [0, 3]}]}
-    assert [n for _, n in data_shards("d", manifest, 8)] == [3, 2]
-    assert [n for _, n in data_shards("d", manifest, 6)] == [3, 1]
-    assert [n for _, n in data_shards("d", manifest, 1)] == [1]
-    assert [n for _, n in data_shards("d", manifest, 2)] == [1]
+    for name in ("a.pt", "b.pt"):
+        (tmp_path / name).touch()
+    assert [n for _, n in data_shards(tmp_path, manifest, 8)] == [3, 2]
+    assert [n for _, n in data_shards(tmp_path, manifest, 6)] == [3, 1]
+    assert [n for _, n in data_shards(tmp_path, manifest, 1)] == [1]
+    assert [n for _, n in data_shards(tmp_path, manifest, 2)] == [1]
 
 
 def test_prompt_mixes_are_prefix_stable(tmp_path):

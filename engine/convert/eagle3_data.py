@@ -85,7 +85,11 @@ def open_data(data_dir: Path, spec: DataSpec, prompts: Sequence[str]) -> dict:
     path = data_dir / "manifest.json"
     if not path.is_file():
         return {"spec": spec.to_json(), "shards": []}
-    manifest = json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConvertError(f"{path} is not valid JSON ({exc.msg}); the data there cannot be trusted: delete "
+                           f"{data_dir} or pass another --data-dir.") from None
     stored, wanted = _flat(manifest.get("spec", {})), _flat(spec.to_json())
     if any("digests" not in s for s in manifest.get("shards", [])):
         raise ConvertError(f"{data_dir} was written by an older spec, which kept no per-prompt digests, so it "
@@ -149,7 +153,11 @@ def data_shards(data_dir: Path, manifest: dict, num_prompts: int) -> list[tuple[
         if covered >= num_prompts:
             break
         take = min(shard["prompts"], num_prompts - covered)
-        out.append((Path(data_dir) / shard["file"], take - sum(k < take for k in shard["skipped"])))
+        path, count = Path(data_dir) / shard["file"], take - sum(k < take for k in shard["skipped"])
+        if count and not path.is_file():
+            raise ConvertError(f"{path} is missing though {data_dir}/manifest.json lists it; delete {data_dir} "
+                               "(or pass another --data-dir) to generate the data again.")
+        out.append((path, count))
         covered += shard["prompts"]
     return out
 
