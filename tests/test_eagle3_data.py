@@ -78,16 +78,28 @@ def test_data_made_otherwise_is_refused_saying_what_differs(target, tmp_path, an
     assert answered == [4]                           # refused before any generation
 
 
-def test_an_older_data_directory_is_refused(target, tmp_path):
+def test_an_older_data_directory_is_carried_over(target, tmp_path):
+    """A manifest from before data could grow (one digest over all prompts) gets per-prompt digests
+    when a run with the same settings has all its prompts first; then it grows as any other."""
+    import hashlib
+
     prompts = write_prompts(tmp_path / "p.txt", 8)
     opts = options(target, tmp_path / "head", prompts, num_prompts=4, max_new_tokens=8)
-    run_data(target, opts)
+    first = run_data(target, opts)
     path = opts.data_path / "manifest.json"
     manifest = json.loads(path.read_text())
-    del manifest["shards"][0]["digests"]
-    path.write_text(json.dumps(manifest))
-    with pytest.raises(ConvertError, match="older spec.*delete it or pass another --data-dir"):
-        run_data(target, opts)
+    texts = prompts.read_text().splitlines()[:5]           # made for 5, stopped after 4
+    old_spec = {k: manifest["spec"][k] for k in ("model", "aux_layers", "generation")}
+    old = {"spec": {**old_spec, "prompts_sha": hashlib.sha256("\x00".join(texts).encode()).hexdigest()[:16],
+                    "group": 32},
+           "shards": [{k: s[k] for k in ("file", "prompts", "samples", "tokens")} for s in manifest["shards"]]}
+    path.write_text(json.dumps(old))
+    for n, temperature in ((4, 0.0), (5, 0.5)):
+        with pytest.raises(ConvertError, match="older spec.*-n at least as large"):
+            run_data(target, replace(opts, num_prompts=n, temperature=temperature))
+    assert ids(run_data(target, replace(opts, num_prompts=6))[:4]) == ids(first)
+    now = json.loads(path.read_text())
+    assert now["spec"] == manifest["spec"] and now["shards"][0] == manifest["shards"][0]
 
 
 def test_a_damaged_data_directory_is_named(target, tmp_path):

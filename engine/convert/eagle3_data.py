@@ -90,10 +90,9 @@ def open_data(data_dir: Path, spec: DataSpec, prompts: Sequence[str]) -> dict:
     except json.JSONDecodeError as exc:
         raise ConvertError(f"{path} is not valid JSON ({exc.msg}); the data there cannot be trusted: delete "
                            f"{data_dir} or pass another --data-dir.") from None
+    if "prompts_sha" in manifest.get("spec", {}):
+        manifest = _upgraded(data_dir, manifest, spec, prompts)
     stored, wanted = _flat(manifest.get("spec", {})), _flat(spec.to_json())
-    if any("digests" not in s for s in manifest.get("shards", [])):
-        raise ConvertError(f"{data_dir} was written by an older spec, which kept no per-prompt digests, so it "
-                           "cannot be checked or grown; delete it or pass another --data-dir.")
     differ = [k for k in wanted if stored.get(k) != wanted[k]]
     if differ:
         raise ConvertError(f"{data_dir} holds data generated with other settings: "
@@ -108,6 +107,39 @@ def open_data(data_dir: Path, spec: DataSpec, prompts: Sequence[str]) -> dict:
                                "begins with the stored one: pass the --prompts sources of the run that made it, in "
                                "the same order, or another --data-dir.")
     return manifest
+
+
+def _upgraded(data_dir: Path, manifest: dict, spec: DataSpec, prompts: Sequence[str]) -> dict:
+    """A manifest written before data could grow (one digest over all its prompts, no record of the
+    target's format), given per-prompt digests when this run's prompts begin with all of its prompts.
+    Its format is taken to be this run's: the same resolution of the same options on the same machine."""
+    old = manifest["spec"]
+    done = sum(s["prompts"] for s in manifest["shards"])
+    common = {k: v for k, v in spec.to_json().items() if k in old}
+    # Its digest covers the prompts its run asked for, maybe more than it answered before stopping.
+    made_for = {digest for n, digest in _joined_digests(prompts) if n >= done}
+    if {k: old[k] for k in common} != common or old["prompts_sha"] not in made_for \
+            or any(s["samples"] != s["prompts"] for s in manifest["shards"]):
+        raise ConvertError(f"{data_dir} was written by an older spec, which kept one digest for all its prompts: it "
+                           "can be carried over only by a run with the same settings whose prompts begin with all "
+                           "those it was made for (the same --prompts, -n at least as large), and only if every "
+                           "prompt has its sample. Otherwise delete it or pass another --data-dir.")
+    first = 0
+    for shard in manifest["shards"]:
+        shard.update(skipped=[], digests=[prompt_digest(p) for p in prompts[first:first + shard["prompts"]]])
+        first += shard["prompts"]
+    manifest["spec"] = spec.to_json()
+    _write_json(Path(data_dir) / "manifest.json", manifest)
+    log.warning("%s: carried over from an older spec's layout (its prompts are this run's first %d)", data_dir, done)
+    return manifest
+
+
+def _joined_digests(prompts: Sequence[str]):
+    """(n, the older layout's digest of the first n prompts) for every n."""
+    h = hashlib.sha256()
+    for n, prompt in enumerate(prompts, 1):
+        h.update((prompt if n == 1 else "\x00" + prompt).encode())
+        yield n, h.hexdigest()[:16]
 
 
 def _flat(spec: dict) -> dict:
