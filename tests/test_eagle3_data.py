@@ -78,6 +78,25 @@ def test_data_made_otherwise_is_refused_saying_what_differs(target, tmp_path, an
     assert answered == [4]                           # refused before any generation
 
 
+def test_other_settings_are_refused_before_magpie_writes_prompts(target, tmp_path, monkeypatch):
+    from engine.convert import magpie
+
+    calls = []
+
+    def write(engine, count, settings, group, on_kept=None, kept=(), tried=0):
+        calls.append(count)
+        return [f"one two three {i}" for i in range(count)], count
+
+    monkeypatch.setattr(magpie, "write_prompts", write)
+    prompts = write_prompts(tmp_path / "p.txt", 8)
+    opts = replace(options(target, tmp_path / "head", prompts, num_prompts=4, max_new_tokens=8),
+                   prompts=("magpie", str(prompts)))
+    run_data(target, opts)
+    with pytest.raises(ConvertError, match="temperature 0.0 there, 1.0 now"):
+        run_data(target, replace(opts, num_prompts=8, temperature=1.0))
+    assert calls == [2]                              # not asked for the 4 the larger run would need
+
+
 def test_an_older_data_directory_is_carried_over(target, tmp_path):
     """A manifest from before data could grow (one digest over all prompts) gets per-prompt digests
     when a run with the same settings has all its prompts first; then it grows as any other."""

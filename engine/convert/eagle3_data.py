@@ -78,20 +78,20 @@ def prompt_digest(prompt: str) -> str:
     return hashlib.sha256(prompt.encode()).hexdigest()[:12]
 
 
-def open_data(data_dir: Path, spec: DataSpec, prompts: Sequence[str]) -> dict:
-    """The directory's manifest (a new, empty one when there is none), once its settings are `spec`'s
-    and its prompts and `prompts` begin alike; a ConvertError saying what differs otherwise."""
-    data_dir = Path(data_dir)
-    path = data_dir / "manifest.json"
+def check_settings(data_dir: Path, spec: DataSpec) -> Optional[dict]:
+    """The directory's manifest, or None when it has none; a ConvertError when it was made with
+    settings other than `spec`'s (checked before anything costly, e.g. magpie writing prompts). A
+    manifest in the older layout records too little to tell: open_data carries it over first."""
+    path = Path(data_dir) / "manifest.json"
     if not path.is_file():
-        return {"spec": spec.to_json(), "shards": []}
+        return None
     try:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConvertError(f"{path} is not valid JSON ({exc.msg}); the data there cannot be trusted: delete "
                            f"{data_dir} or pass another --data-dir.") from None
     if "prompts_sha" in manifest.get("spec", {}):
-        manifest = _upgraded(data_dir, manifest, spec, prompts)
+        return manifest
     stored, wanted = _flat(manifest.get("spec", {})), _flat(spec.to_json())
     differ = [k for k in wanted if stored.get(k) != wanted[k]]
     if differ:
@@ -99,6 +99,17 @@ def open_data(data_dir: Path, spec: DataSpec, prompts: Sequence[str]) -> dict:
                            + "; ".join(f"{k} {stored.get(k)!r} there, {wanted[k]!r} now" for k in differ)
                            + ". Pass the settings it was made with to reuse or grow it, or another --data-dir "
                              "(or delete it) for new data.")
+    return manifest
+
+
+def open_data(data_dir: Path, spec: DataSpec, prompts: Sequence[str]) -> dict:
+    """The directory's manifest (a new, empty one when there is none), once its settings are `spec`'s
+    and its prompts and `prompts` begin alike; a ConvertError saying what differs otherwise."""
+    manifest = check_settings(data_dir, spec)
+    if manifest is None:
+        return {"spec": spec.to_json(), "shards": []}
+    if "prompts_sha" in manifest["spec"]:
+        manifest = _upgraded(data_dir, manifest, spec, prompts)
     digests = [d for s in manifest["shards"] for d in s["digests"]]
     for i, (prompt, digest) in enumerate(zip(prompts, digests)):
         if prompt_digest(prompt) != digest:

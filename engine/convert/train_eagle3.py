@@ -31,8 +31,8 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from engine.convert import ConvertError, magpie
-from engine.convert.eagle3_data import (DataSpec, Sample, data_shards, generate_data, load_samples, open_data,
-                                        stored_prompts)
+from engine.convert.eagle3_data import (DataSpec, Sample, check_settings, data_shards, generate_data, load_samples,
+                                        open_data, stored_prompts)
 from engine.convert.generate import Generation, chat_prompt_ids, generation_engine, generation_format
 from engine.convert.token_map import build_token_map, chat_special_ids, count_ids, coverage, eagle3_vocab
 from engine.convert.ttt import collate, unrolled_loss
@@ -194,6 +194,8 @@ def _data(opts: TrainOptions, target_dir: Path, aux, device: str, progress: Prog
                                        opts.quantization)
         return engine
 
+    spec = _data_spec(opts, target_dir, aux, device)
+    check_settings(opts.data_path, spec)          # before magpie spends minutes writing prompts
     written = {}
     if magpie.MAGPIE in opts.prompts:
         count = magpie.share(opts.prompts, opts.num_prompts)
@@ -204,7 +206,7 @@ def _data(opts: TrainOptions, target_dir: Path, aux, device: str, progress: Prog
         if len(ours) < count:
             progress.log(f"magpie: only {len(ours)} distinct requests of the {count} wanted")
     prompts = load_prompts(list(opts.prompts), opts.num_prompts, written)
-    manifest = open_data(opts.data_path, _data_spec(opts, target_dir, aux, device), prompts)
+    manifest = open_data(opts.data_path, spec, prompts)
     stored = stored_prompts(manifest)
     if stored < len(prompts):
         progress.phase(f"generating answers to {len(prompts) - stored} prompts"
