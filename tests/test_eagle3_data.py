@@ -14,7 +14,7 @@ import torch
 from engine.convert import ConvertError, generate
 from engine.convert import train_eagle3 as te
 from engine.convert.corpus import load_prompts
-from engine.convert.eagle3_data import data_shards
+from engine.convert.data_manifest import data_shards
 from engine.convert.train_eagle3 import Silent, _aux_layers, _data, train
 from engine.loader import load_config
 from tests.test_train_eagle3 import options, write_prompts

@@ -31,8 +31,8 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from engine.convert import ConvertError, magpie
-from engine.convert.eagle3_data import (DataSpec, Sample, check_settings, data_shards, generate_data, load_samples,
-                                        open_data, stored_prompts)
+from engine.convert.data_manifest import DataSpec, check_settings, data_shards, open_data, stored_prompts
+from engine.convert.eagle3_data import Sample, generate_data, load_samples
 from engine.convert.generate import Generation, chat_prompt_ids, generation_engine, generation_format
 from engine.convert.token_map import build_token_map, chat_special_ids, count_ids, coverage, eagle3_vocab
 from engine.convert.ttt import collate, unrolled_loss
