@@ -99,7 +99,7 @@ def token_map(
         if magpie.MAGPIE in sources:
             count = magpie.share(sources, num_prompts)
             with _Bar(f"the target writing {count} prompts (magpie)") as bar:
-                written[magpie.MAGPIE] = magpie.write_prompts(
+                written[magpie.MAGPIE], _ = magpie.write_prompts(
                     engine, count, magpie.MagpieSettings(str(engine.model_dir)), gen_batch, bar.advance)
         prompts = load_prompts(sources, num_prompts, written)
         model_dir, config, tokenizer, eos = engine.model_dir, engine.model_config, engine.tokenizer, engine.eos_ids
@@ -241,6 +241,12 @@ def train_eagle3(
                                                      help="Tokens generated per --eval-prompts prompt.")] = 128,
     device: Device = "auto",
     dtype: Dtype = "auto",
+    quantization: Annotated[Literal["auto", "none", "int4", "w8a8_int8"], typer.Option(
+        "--quantization", rich_help_panel=GEN,
+        help="The target's weight format while generating, as spec serve --quantization (auto: as spec serve picks "
+             "it, so the head learns the target it will be served with). For a 4-bit GGUF on a CPU with native "
+             "bf16, '--quantization none --dtype bfloat16' generates ~2.3x faster, its argmax a little off the "
+             "int4 target's (docs/convert.md). The data records it: data made otherwise is not reused.")] = "auto",
     threads: Threads = None,
 ) -> None:
     """Train an EAGLE-3 head for a target, on CPU or GPU, and save it in the EAGLE-3 layout.
@@ -258,7 +264,8 @@ def train_eagle3(
                         num_prompts=num_prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                         gen_batch=gen_batch, data_dir=data_dir, draft_vocab=draft_vocab, ttt_steps=ttt_steps,
                         epochs=epochs, max_steps=max_steps, time_budget=time_budget, batch_tokens=batch_tokens,
-                        lr=lr, save_every=save_every, resume=resume, device=device, dtype=dtype, precision=precision,
+                        lr=lr, save_every=save_every, resume=resume, device=device, dtype=dtype, quantization=quantization,
+                        precision=precision,
                         seed=seed, eval_prompts=eval_prompts, eval_dataset=eval_dataset,
                         eval_max_new_tokens=eval_max_new_tokens, threads=threads)
     with _Bar() as bar:

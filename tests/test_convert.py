@@ -112,7 +112,7 @@ def test_map_from_prompts_the_target_writes(target, tmp_path, monkeypatch):
 
     written = []
     monkeypatch.setattr(magpie, "write_prompts", lambda engine, count, settings, group, on_kept=None:
-                        written.append(count) or ["one two three four", "five six seven eight"][:count])
+                        (written.append(count) or ["one two three four", "five six seven eight"][:count], 4 * count))
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("hello there\nthe quick brown fox\n")
     common = ("convert", "token-map", "-m", str(target), "-d", "magpie", "-d", str(prompts_file), "-n", "4",

@@ -66,15 +66,15 @@ def test_keeps_finished_long_enough_distinct_requests_up_to_count(monkeypatch):
                ([5, 6, 7, 8], "stop"), ([9, 8, 7, 6], "stop"), ([1, 1, 1, 1], "stop"), ([2, 2, 2, 2], "stop")]
     firsts = _fake_generation(monkeypatch, outputs)
     engine = types.SimpleNamespace(tokenizer=_Words())
-    got = magpie.write_prompts(engine, 3, magpie.MagpieSettings("m"), group=4)
-    assert got == ["w1 w2 w3 w4", "w5 w6 w7 w8", "w9 w8 w7 w6"]
+    got, tried = magpie.write_prompts(engine, 3, magpie.MagpieSettings("m"), group=4)
+    assert got == ["w1 w2 w3 w4", "w5 w6 w7 w8", "w9 w8 w7 w6"] and tried == 8
     assert firsts == [0, 4]              # the second group samples with new seeds
 
 
 def test_gives_up_after_four_tries_a_prompt(monkeypatch):
     firsts = _fake_generation(monkeypatch, [([1, 2, 3, 4], "stop")] * 40)
     engine = types.SimpleNamespace(tokenizer=_Words())
-    assert magpie.write_prompts(engine, 5, magpie.MagpieSettings("m"), group=8) == ["w1 w2 w3 w4"]
+    assert magpie.write_prompts(engine, 5, magpie.MagpieSettings("m"), group=8) == (["w1 w2 w3 w4"], 20)
     assert firsts == [0, 8, 16]          # 20 tries in all, the last group cut to 4
     _fake_generation(monkeypatch, [([1, 2, 3, 4], "length")] * 20)
     with pytest.raises(ConvertError, match="no usable requests in 20 tries"):
@@ -84,9 +84,9 @@ def test_gives_up_after_four_tries_a_prompt(monkeypatch):
 def test_training_data_reuses_the_stored_prompts(target, tmp_path, monkeypatch):
     calls = []
 
-    def write(engine, count, settings, group, on_kept=None):
+    def write(engine, count, settings, group, on_kept=None, kept=(), tried=0):
         calls.append((count, settings))
-        return [f"one two three {w}" for w in ("four", "five", "six", "seven", "eight", "nine")[:count]]
+        return [f"one two three {w}" for w in ("four", "five", "six", "seven", "eight", "nine")[:count]], 4 * count
 
     monkeypatch.setattr(magpie, "write_prompts", write)
     prompts = write_prompts(tmp_path / "p.txt", 8)
@@ -99,3 +99,19 @@ def test_training_data_reuses_the_stored_prompts(target, tmp_path, monkeypatch):
     again = _data(opts, target, aux, "cpu", Silent())
     assert len(calls) == 1 and [s.ids.tolist() for s in again] == [s.ids.tolist() for s in first]
 
+
+
+def test_a_longer_list_extends_the_stored_one(tmp_path, monkeypatch):
+    """More prompts than stored: the stored ones first, then requests sampled with seeds past those
+    already tried (not a new list from seed 0), so that data answering the shorter list stays valid."""
+    outputs = [([i, i, i, i], "stop") for i in range(40)]
+    firsts = _fake_generation(monkeypatch, outputs)
+    engine = types.SimpleNamespace(tokenizer=_Words())
+    path, settings = tmp_path / "magpie.json", magpie.MagpieSettings("m")
+    short = magpie.cached_prompts(path, 3, settings, lambda: engine, group=4)
+    assert short == ["w0 w0 w0 w0", "w1 w1 w1 w1", "w2 w2 w2 w2"] and firsts == [0]
+    longer = magpie.cached_prompts(path, 6, settings, lambda: engine, group=4)
+    assert longer[:3] == short and longer[3:] == ["w4 w4 w4 w4", "w5 w5 w5 w5", "w6 w6 w6 w6"]
+    assert firsts == [0, 4]
+    assert magpie.cached_prompts(path, 2, settings, lambda: engine, group=4) == short[:2] and firsts == [0, 4]
+    assert json.loads(path.read_text())["tried"] == 8

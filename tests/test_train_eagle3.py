@@ -67,7 +67,7 @@ def test_unrolled_training_is_the_served_draft(target, trained, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**dense_config, "rope_theta": 10000.0}))
     dense = DenseDraft(target, tmp_path, "EAGLE3", aux)
 
-    sample = load_samples(sorted((root / "head" / "data").glob("shard_*.pt")))[0]
+    sample = load_samples([(sorted((root / "head" / "data").glob("shard_*.pt"))[0], 1)])[0]
     tokens = sample.ids.tolist()
     with torch.no_grad():
         hidden = dense.target(torch.tensor([tokens]), output_hidden_states=True).hidden_states

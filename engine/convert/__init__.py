@@ -8,6 +8,7 @@
     draft_io.py      import EAGLE / EAGLE-3 drafts (EAGLE repo, SGLang, SpecForge, speculators), validate
                      them against a target, apply a token map, write the layout `spec serve` loads
     eagle3_data.py   on-policy training data: answers plus the target's hidden states, in shards on disk
+    data_manifest.py what a data directory was made with, prompt by prompt: reuse, grow, or refuse
     ttt.py           EAGLE-3's training-time test: the draft unrolled over its own outputs, and its loss
     train_eagle3.py  the training loop: checkpoints, resume, progress, the saved head and its report
 """

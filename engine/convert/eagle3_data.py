@@ -9,22 +9,22 @@ own forwards. The radix cache is off so that every position is computed.
 
 A sample is one conversation of N tokens: ids [N], prompt length P, and per fed position t < N - 1:
 aux [N-1, 3H], final [N-1, H] (bfloat16) and argmax [N-1] (-1 where unknown). Samples are written in
-shards of `group` prompts (torch.save, read back memory-mapped), listed in manifest.json with what
-produced them, so a run that stops resumes at the next shard and a finished set is reused.
+shards of consecutive prompts (torch.save, read back memory-mapped), listed in manifest.json
+(data_manifest.py). A directory grows across runs: a run with more prompts than it holds answers only
+the new ones (new shards); one with fewer reads the data of its first prompts; a run that stops
+resumes at the next shard.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from engine.convert import ConvertError
+from engine.convert.data_manifest import prompt_digest, stored_prompts, write_manifest
 from engine.convert.generate import Generation, chat_prompt_ids, generate_groups
 from engine.request import Request
 
@@ -55,55 +55,31 @@ def take_sample(req: Request) -> Optional[dict]:
 
 
 # ------------------------------------------------------------------------------------------------ writing
-@dataclass(frozen=True)
-class DataSpec:
-    """What a data directory was made from; a directory made otherwise is not reused."""
-    model: str
-    aux_layers: tuple[int, ...]
-    generation: Generation
-    prompts_sha: str
-    group: int
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "aux_layers": list(self.aux_layers)}
-
-
-def prompts_digest(prompts: Sequence[str]) -> str:
-    return hashlib.sha256("\x00".join(prompts).encode()).hexdigest()[:16]
-
-
-def generate_data(engine, prompts: Sequence[str], data_dir: Path, spec: DataSpec, *,
-                  on_step: Optional[Callable[[int, int], None]] = None) -> list[Path]:
-    """Write the shards still missing for `prompts` under data_dir; return every shard in order.
-    on_step(new tokens, newly finished prompts) follows the generation; the prompts of shards found
-    from an earlier run count as finished at the start."""
+def generate_data(engine, prompts: Sequence[str], data_dir: Path, manifest: dict, group: int, *,
+                  on_step: Optional[Callable[[int, int], None]] = None) -> dict:
+    """Append shards of `group` prompts answering the prompts past those `manifest` (open_data's)
+    holds; returns it. on_step(new tokens, newly finished prompts) follows the generation."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    manifest_path = data_dir / "manifest.json"
-    manifest = {"spec": spec.to_json(), "shards": []}
-    if manifest_path.is_file():
-        old = json.loads(manifest_path.read_text())
-        if old.get("spec") != manifest["spec"]:
-            raise ConvertError(f"{data_dir} holds training data made differently (another model, prompt set or "
-                               "generation settings); use another directory (--output or --data-dir) or delete it.")
-        manifest = old
-    done = sum(s["prompts"] for s in manifest["shards"])
-    if on_step and done:
-        on_step(0, done)
-    if done >= len(prompts):
-        return [data_dir / s["file"] for s in manifest["shards"]]
-    engine.capture_hidden_states(spec.aux_layers)
+    done = stored_prompts(manifest)
+    spec = manifest["spec"]
+    engine.capture_hidden_states(spec["aux_layers"])
     ids = chat_prompt_ids(engine.tokenizer, prompts[done:])
-    for k, reqs in enumerate(generate_groups(engine, ids, spec.generation, spec.group, first_index=done,
-                                             on_step=on_step)):
-        samples = [s for s in (take_sample(r) for r in reqs) if s is not None]
+    for reqs in generate_groups(engine, ids, Generation(**spec["generation"]), group, first_index=done,
+                                on_step=on_step):
+        taken = [take_sample(r) for r in reqs]
+        samples = [s for s in taken if s is not None]
         name = f"shard_{len(manifest['shards']):05d}.pt"
-        tokens = sum(int(s["ids"].numel()) for s in samples)
         if samples:
             _save_shard(data_dir / name, samples)
-        manifest["shards"].append({"file": name, "prompts": len(reqs), "samples": len(samples), "tokens": tokens})
-        _write_json(manifest_path, manifest)
-    return [data_dir / s["file"] for s in manifest["shards"]]
+        first = stored_prompts(manifest)
+        manifest["shards"].append({
+            "file": name, "prompts": len(reqs), "samples": len(samples),
+            "tokens": sum(int(s["ids"].numel()) for s in samples),
+            "skipped": [k for k, s in enumerate(taken) if s is None],   # prompts without a sample, by offset
+            "digests": [prompt_digest(p) for p in prompts[first:first + len(reqs)]]})
+        write_manifest(data_dir, manifest)
+    return manifest
 
 
 def _save_shard(path: Path, samples: list[dict]) -> None:
@@ -117,12 +93,6 @@ def _save_shard(path: Path, samples: list[dict]) -> None:
     }
     tmp = path.with_suffix(".tmp")
     torch.save(shard, tmp)
-    tmp.replace(path)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
 
 
@@ -140,15 +110,16 @@ class Sample:
         return self.aux.shape[0]
 
 
-def load_samples(shards: Sequence[Path]) -> list[Sample]:
-    """Every sample, as views into memory-mapped shards (pages are read when a batch uses them)."""
+def load_samples(shards: Sequence[tuple[Path, int]]) -> list[Sample]:
+    """The first `count` samples of each (shard, count), as views into memory-mapped shards (pages are
+    read when a batch uses them)."""
     samples = []
-    for path in shards:
-        if not Path(path).is_file():
+    for path, count in shards:
+        if not count:
             continue                                 # a shard whose prompts all failed holds nothing
         shard = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         tok = pos = 0
-        for n, p in zip(shard["lengths"].tolist(), shard["prompt_lens"].tolist()):
+        for n, p in zip(shard["lengths"][:count].tolist(), shard["prompt_lens"][:count].tolist()):
             samples.append(Sample(shard["ids"][tok:tok + n], p, shard["aux"][pos:pos + n - 1],
                                   shard["final"][pos:pos + n - 1], shard["argmax"][pos:pos + n - 1]))
             tok, pos = tok + n, pos + n - 1

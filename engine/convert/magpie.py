@@ -4,7 +4,8 @@ Fed only its chat template's text up to where a user's message begins, an instru
 samples a request like those it was tuned on: prompts from the target's own distribution, as many as
 wanted, with no dataset. Requests cut off by the token limit, shorter than a few words or repeated are
 dropped. The prompts are kept in a JSON file and reused by a later run with the same settings, so
-that the answers' data (whose digest covers the prompts) stays valid across resumes.
+that the answers' data (checked prompt by prompt) stays valid across resumes; a run that wants more
+extends the list (sampling on from where it stopped), so a longer list begins with the shorter one.
 """
 
 from __future__ import annotations
@@ -46,13 +47,14 @@ def user_turn_prefix(tokenizer) -> list[int]:
 
 
 def write_prompts(engine, count: int, settings: MagpieSettings, group: int,
-                  on_kept: Optional[Callable[[int], None]] = None) -> list[str]:
-    """`count` distinct requests sampled from the target; fewer (the caller warns) only when four times
-    as many samples did not yield enough, an error when none did."""
+                  on_kept: Optional[Callable[[int], None]] = None, kept: Sequence[str] = (),
+                  tried: int = 0) -> tuple[list[str], int]:
+    """(`count` distinct requests, samples tried): `kept` followed by requests sampled from the target
+    with the seeds after the `tried` already used; fewer (the caller warns) only when four times as
+    many samples did not yield enough, an error when none did."""
     prefix = user_turn_prefix(engine.tokenizer)
     gen = Generation(settings.max_new_tokens, settings.temperature, settings.seed, settings.top_p)
-    kept: dict[str, None] = {}
-    tried = 0
+    kept = dict.fromkeys(kept)
     while len(kept) < count and tried < 4 * count:
         batch = min(group, 4 * count - tried)
         for reqs in generate_groups(engine, [prefix] * batch, gen, batch, first_index=tried):
@@ -68,18 +70,22 @@ def write_prompts(engine, count: int, settings: MagpieSettings, group: int,
         raise ConvertError(f"The target wrote no usable requests in {tried} tries (each must end before "
                            f"{settings.max_new_tokens} tokens and have {_MIN_WORDS}+ words); use another prompt "
                            "source.")
-    return list(kept)
+    return list(kept), tried
 
 
 def cached_prompts(path: Path, count: int, settings: MagpieSettings, make_engine: Callable[[], object], group: int,
                    on_kept: Optional[Callable[[int], None]] = None) -> list[str]:
-    """The prompts stored at `path` when an earlier run wrote at least `count` with these settings;
-    otherwise new ones, written there."""
+    """The first `count` prompts stored at `path` by an earlier run with these settings, the stored
+    list extended (and written back) when it holds fewer; new ones when there are none."""
+    stored, tried = [], 0
     if path.is_file():
-        stored = json.loads(path.read_text())
-        if stored.get("settings") == asdict(settings) and len(stored["prompts"]) >= count:
-            return stored["prompts"][:count]
-    prompts = write_prompts(make_engine(), count, settings, group, on_kept)
+        data = json.loads(path.read_text())
+        if data.get("settings") == asdict(settings):
+            # A list written before "tried" was kept used at most four tries a prompt: go on past them.
+            stored, tried = data["prompts"], data.get("tried", 4 * len(data["prompts"]))
+    if len(stored) >= count:
+        return stored[:count]
+    prompts, tried = write_prompts(make_engine(), count, settings, group, on_kept, stored, tried)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"settings": asdict(settings), "prompts": prompts}, indent=1))
+    path.write_text(json.dumps({"settings": asdict(settings), "tried": tried, "prompts": prompts}, indent=1))
     return prompts

@@ -31,8 +31,9 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from engine.convert import ConvertError, magpie
-from engine.convert.eagle3_data import DataSpec, Sample, generate_data, load_samples, prompts_digest
-from engine.convert.generate import Generation, chat_prompt_ids, generation_engine
+from engine.convert.data_manifest import DataSpec, check_settings, data_shards, open_data, stored_prompts
+from engine.convert.eagle3_data import Sample, generate_data, load_samples
+from engine.convert.generate import Generation, chat_prompt_ids, generation_engine, generation_format
 from engine.convert.token_map import build_token_map, chat_special_ids, count_ids, coverage, eagle3_vocab
 from engine.convert.ttt import collate, unrolled_loss
 
@@ -65,6 +66,7 @@ class TrainOptions:
     resume: bool = False
     device: str = "auto"
     dtype: str = "auto"                       # the target's dtype while generating and evaluating
+    quantization: str = "auto"                # the generating target's weight format (generate.generation_format)
     precision: str = "auto"                   # training compute: bf16 autocast, fp32, or auto (bf16 where native)
     seed: int = 0
     eval_prompts: int = 0
@@ -142,6 +144,10 @@ def train(opts: TrainOptions, progress: Optional[Progress] = None) -> dict:
     trainer = _Trainer(opts, draft, embed, head_rows, t2d_dev, samples, device)
     if state is not None:
         trainer.restore(state)
+        if trainer.planned_done():
+            raise ConvertError(f"--resume: the checkpoint has trained {trainer.step} steps, {trainer.elapsed / 60:.1f} "
+                               "min: all that --epochs, --max-steps and --time-budget allow (they count every "
+                               "sitting). Raise them to train on.")
     trainer.run(progress, lambda: _save(output, draft, draft_config, target_ids, d2t, t2d, trainer))
     report = {
         "target": str(target_dir), "aux_layers_hf_indices": list(aux), "device": device,
@@ -156,7 +162,7 @@ def train(opts: TrainOptions, progress: Optional[Progress] = None) -> dict:
         progress.phase(f"evaluating on {opts.eval_prompts} {opts.eval_dataset} prompts", None)
         report["eval"] = {"dataset": opts.eval_dataset, "prompts": opts.eval_prompts,
                           **evaluate(opts.model, output, load_prompts([opts.eval_dataset], opts.eval_prompts),
-                                     opts.eval_max_new_tokens, opts.device, opts.dtype)}
+                                     opts.eval_max_new_tokens, opts.device, opts.dtype, opts.quantization)}
     (output / "training_report.json").write_text(json.dumps(report, indent=2))
     return report
 
@@ -184,9 +190,12 @@ def _data(opts: TrainOptions, target_dir: Path, aux, device: str, progress: Prog
     def make_engine():
         nonlocal engine
         if engine is None:
-            engine = generation_engine(str(target_dir), opts.gen_batch, opts.max_new_tokens, opts.dtype, device)
+            engine = generation_engine(str(target_dir), opts.gen_batch, opts.max_new_tokens, opts.dtype, device,
+                                       opts.quantization)
         return engine
 
+    spec = _data_spec(opts, target_dir, aux, device)
+    check_settings(opts.data_path, spec)          # before magpie spends minutes writing prompts
     written = {}
     if magpie.MAGPIE in opts.prompts:
         count = magpie.share(opts.prompts, opts.num_prompts)
@@ -197,27 +206,33 @@ def _data(opts: TrainOptions, target_dir: Path, aux, device: str, progress: Prog
         if len(ours) < count:
             progress.log(f"magpie: only {len(ours)} distinct requests of the {count} wanted")
     prompts = load_prompts(list(opts.prompts), opts.num_prompts, written)
-    gen = Generation(opts.max_new_tokens, opts.temperature, opts.seed)
-    spec = DataSpec(str(target_dir), tuple(aux), gen, prompts_digest(prompts), 4 * opts.gen_batch)
-    manifest = opts.data_path / "manifest.json"
-    shards = None
-    if manifest.is_file():
-        data = json.loads(manifest.read_text())
-        if data.get("spec") == spec.to_json() and sum(s["prompts"] for s in data["shards"]) >= len(prompts):
-            shards = [opts.data_path / s["file"] for s in data["shards"]]
-    if shards is None:
-        progress.phase(f"generating answers to {len(prompts)} prompts", len(prompts))
+    manifest = open_data(opts.data_path, spec, prompts)
+    stored = stored_prompts(manifest)
+    if stored < len(prompts):
+        progress.phase(f"generating answers to {len(prompts) - stored} prompts"
+                       + (f" (after the {stored} in {opts.data_path})" if stored else ""), len(prompts) - stored)
         started, tokens = time.perf_counter(), [0]
 
         def on_step(new_tokens: int, finished: int) -> None:
             tokens[0] += new_tokens
             progress.advance(finished, tok_s=tokens[0] / (time.perf_counter() - started))
 
-        shards = generate_data(make_engine(), prompts, opts.data_path, spec, on_step=on_step)
+        manifest = generate_data(make_engine(), prompts, opts.data_path, manifest, 4 * opts.gen_batch, on_step=on_step)
+    elif stored > len(prompts):
+        progress.log(f"using the first {len(prompts)} of the {stored} prompts answered in {opts.data_path}")
+    shards = data_shards(opts.data_path, manifest, len(prompts))
     samples = load_samples(shards)
     if not samples:
         raise ConvertError(f"No training samples in {opts.data_path}: every generation failed.")
     return samples
+
+
+def _data_spec(opts: TrainOptions, target_dir: Path, aux, device: str) -> DataSpec:
+    from engine.loader import load_config
+
+    dtype, quantization = generation_format(target_dir, load_config(target_dir), opts.quantization, opts.dtype, device)
+    return DataSpec(str(target_dir), tuple(aux), Generation(opts.max_new_tokens, opts.temperature, opts.seed),
+                    dtype, quantization)
 
 
 def _target_tensors(target_dir: Path, config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -378,6 +393,9 @@ class _Trainer:
         by_time = self.elapsed / (budget * 60) if budget else 0.0
         return max(self.step / self.planned if self.planned else 0.0, by_time)
 
+    def planned_done(self) -> bool:
+        return self._progress() >= 1.0
+
     def _lr(self) -> float:
         warmup = max(1, round(self.opts.warmup * self._expected_total()))
         if self.step < warmup:
@@ -391,7 +409,7 @@ class _Trainer:
         autocast = torch.autocast(device_type="cuda" if self.device.startswith("cuda") else "cpu",
                                   dtype=torch.bfloat16, enabled=self.precision == "bf16")
         plan = self._plan(self.epoch)
-        while self._progress() < 1.0:
+        while not self.planned_done():
             if self.batch_in_epoch >= len(plan):
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0
                 plan = self._plan(self.epoch)
@@ -460,13 +478,17 @@ class _Trainer:
     def state(self) -> dict:
         return {"draft": self.draft.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
                 "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "elapsed": self.elapsed,
-                "history": self.history, "options": _jsonable(asdict(self.opts))}
+                "history": self.history, "options": _jsonable(asdict(self.opts)), "samples": len(self.samples)}
 
     def restore(self, state: dict) -> None:
+        """Continue where the checkpoint stopped; onto data that grew (or shrank) since, with a new epoch
+        over all of it, since the position in the old epoch's order means nothing in the new one."""
         self.draft.load_state_dict(state["draft"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         self.elapsed, self.history = state["elapsed"], state["history"]
+        if state.get("samples", len(self.samples)) != len(self.samples) and self.batch_in_epoch:
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
 
 
 def resolve_precision(name: str, device: str) -> str:
@@ -483,7 +505,7 @@ def _mean(values: list[float]) -> float:
 
 # ------------------------------------------------------------------------------------------------ evaluation
 def evaluate(model: str, draft_dir: Path, prompts: Sequence[str], max_new_tokens: int, device: str = "auto",
-             dtype: str = "auto") -> dict:
+             dtype: str = "auto", quantization: str = "auto") -> dict:
     """Greedy answers with the head as an EAGLE3 draft (the default tree): the engine-wide acceptance."""
     from engine import Engine
 
@@ -491,7 +513,8 @@ def evaluate(model: str, draft_dir: Path, prompts: Sequence[str], max_new_tokens
 
     ids = chat_prompt_ids(load_tokenizer(resolve_model_path(model)), prompts)
     # A KV pool sized for these requests (the default, a share of the machine's memory, is far larger).
-    engine = Engine(model_path=model, dtype=dtype, device=device, speculative_algorithm="EAGLE3",
+    engine = Engine(model_path=model, dtype=dtype, device=device, quantization=quantization,
+                    speculative_algorithm="EAGLE3",
                     speculative_draft_model_path=str(draft_dir),
                     max_total_tokens=sum(len(p) + max_new_tokens + 16 for p in ids))
     started = time.perf_counter()
