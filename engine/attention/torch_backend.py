@@ -4,6 +4,10 @@ Runs on CPU and GPU. Requests are padded to one [B, max_new, max_kv] problem wit
 mask, so one SDPA call serves prefill, decode, tree verification and draft-tree expansion alike. A
 request's keys are its table row's first prefix_len slots, then its tail: extra (scratch) slots and
 its new tokens' slots. All of it is built with tensor ops, whatever the batch size.
+
+Every layer of a forward gathers into the same two buffers: a fresh [B, max_kv] copy per layer costs
+its page faults again each time (on CPU, up to a third of attention at batch 64, 2048-token contexts;
+benchmarks/bench_attention.py), and the copies were never alive together anyway.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class _Metadata:
     pad_index: Optional[torch.Tensor]      # [B * max_new] flat token per padded query row (T = a zero row)
     unpad_index: Optional[torch.Tensor]    # [T] padded row of each flat token
     max_new: int
+    buffers: tuple[torch.Tensor, torch.Tensor]   # K and V, gathered into by each layer in turn
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -51,7 +56,7 @@ class TorchAttentionBackend(AttentionBackend):
             # Decode: one query per request, which sees all its keys; only the padding needs masking
             # (always a mask, even when nothing is padded: a compiled forward then has one graph).
             mask = (key_pos[None, :] < kv_len[:, None])[:, None, None, :]
-            batch.attn = _Metadata(kv_index, mask, None, None, 1)
+            batch.attn = _Metadata(kv_index, mask, None, None, 1, self.kv_pool.gather_buffers(kv_index.numel()))
             return
 
         new = torch.tensor(batch.extend_lens, device=device)
@@ -70,14 +75,17 @@ class TorchAttentionBackend(AttentionBackend):
         T = sum(batch.extend_lens)
         pad_index = torch.where(valid, offsets[:, None] + q_pos[None, :], T)
         unpad_index = (torch.arange(B, device=device)[:, None] * max_new + q_pos[None, :])[valid]
-        batch.attn = _Metadata(kv_index, mask[:, None], pad_index.flatten(), unpad_index, max_new)
+        batch.attn = _Metadata(kv_index, mask[:, None], pad_index.flatten(), unpad_index, max_new,
+                               self.kv_pool.gather_buffers(kv_index.numel()))
 
     def forward(self, q, k, v, layer, batch, scale):
         self.kv_pool.store(layer, batch.out_slots, k, v)
         meta: _Metadata = batch.attn
         B = meta.kv_index.shape[0]          # a tensor's size, not a list's length: symbolic when compiled
         T, H, D = q.shape
-        keys, values = self.kv_pool.gather(layer, meta.kv_index)
+        # Compiled, the buffers would be graph inputs written in place; inductor plans its own memory.
+        buffers = None if torch.compiler.is_compiling() else meta.buffers
+        keys, values = self.kv_pool.gather(layer, meta.kv_index, buffers)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)      # [B, Hkv, max_kv, D]
         if meta.max_new == 1:
             qp = q.view(B, 1, H, D).transpose(1, 2)
