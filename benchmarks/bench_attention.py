@@ -8,13 +8,16 @@ SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head dim 64, 30 laye
 or 8 (verify, an EAGLE-style tree mask) new tokens in slots elsewhere. Per case, one layer's
 attention (storing the new K/V, attending) is timed for each candidate, candidates alternated, `--repeats`
 rounds, medians; a step's attention is `prepare` + 30 layers. Candidates:
-- torch: engine/attention/torch_backend.py, gathers each request's K/V into a padded batch, one SDPA.
+- torch: engine/attention/torch_backend.py as the engine runs it: float32 decode from batch 8 up reads
+  K/V in place (as inductor below); the rest gathers each request's K/V into a padded batch (two
+  buffers every layer reuses), one SDPA.
+- fresh-copy: gather + SDPA with a freshly allocated padded copy per layer (the torch backend before).
 - sdpa-only: the same SDPA over K/V gathered beforehand: the bound for keeping gathered K/V between
   steps (which costs a second copy of the cache).
 - views: one SDPA per request over views of its contiguous prefix run, no gather (new tokens left
   out): the bound for reading runs in place, and the cost of a Python loop over requests.
-- inductor: attention written as products and sums over keys indexed straight from the pool, compiled
-  by inductor (dynamic shapes), which fuses the indexing into its loads: reads the pool in place.
+- inductor: engine/attention/in_place.py in every case: attention as products and sums over keys
+  indexed straight from the pool, compiled by inductor, which fuses the indexing into its loads.
 With --step, the rest of a decode step (the real SmolLM2-135M forward with attention replaced by a
 no-op) is timed too, to give attention's share of a step.
 Numbers are per-layer ms. Run it alone: on 2 shared cores, a second busy process skews every number
@@ -24,6 +27,7 @@ Numbers are per-layer ms. Run it alone: on 2 shared cores, a second busy process
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -66,23 +70,46 @@ def make_case(batch: int, context: int, new: int, dtype: torch.dtype, seed: int 
     return pool, fb, q, pool.k[0][out_slots].clone(), pool.v[0][out_slots].clone()
 
 
-class SdpaOnly(TorchAttentionBackend):
+class Gathering(TorchAttentionBackend):
+    """The torch backend gathering in every case."""
+
+    def reads_in_place(self, batch, max_new):
+        return False
+
+
+class FreshCopy(Gathering):
+    """The torch backend as it was: each layer gathers into a freshly allocated padded copy."""
+
+    def prepare(self, batch):
+        super().prepare(batch)
+        batch.attn = dataclasses.replace(batch.attn, buffers=None)
+
+
+class SdpaOnly(Gathering):
     """The torch backend with the gather done in `prepare`, untimed per layer."""
 
     def prepare(self, batch):
         super().prepare(batch)
-        kv = self.kv_pool.gather(0, batch.attn.kv_index)
-        self.kv_pool = _Gathered(self.kv_pool, kv)
+        self.kv = self.kv_pool.gather(0, batch.attn.kv_index)
+
+    def forward(self, q, k, v, layer, batch, scale):
+        pool, self.kv_pool = self.kv_pool, _Gathered(self.kv_pool, self.kv)
+        try:
+            return super().forward(q, k, v, layer, batch, scale)
+        finally:
+            self.kv_pool = pool
 
 
 class _Gathered:
+    """A pool whose gather returns K/V gathered beforehand."""
+
     def __init__(self, pool: KVPool, kv):
         self.pool, self.kv = pool, kv
 
     def store(self, *args):
         self.pool.store(*args)
 
-    def gather(self, layer, slots):
+    def gather(self, layer, slots, out=None):
         return self.kv
 
 
@@ -107,29 +134,12 @@ class Views(AttentionBackend):
         return torch.cat(out)
 
 
-def _attend_in_place(q, k_pool, v_pool, kv_index, mask, scale):
-    """q [B, n, Hkv, G, D] over the keys kv_index [B, L] reads from the pools, mask [B, n, L]: written as
-    broadcast products and sums so that inductor fuses the index into its loads (no gathered copy)."""
-    k = k_pool[kv_index][:, None, :, :, None, :]                              # [B, 1, L, Hkv, 1, D]
-    s = (q[:, :, None].float() * k.float()).sum(-1) * scale                   # [B, n, L, Hkv, G]
-    p = torch.softmax(s.masked_fill(~mask[:, :, :, None, None], float("-inf")), 2)
-    v = v_pool[kv_index][:, None, :, :, None, :]
-    return (p[..., None] * v.float()).sum(2).to(q.dtype)                      # [B, n, Hkv, G, D]
-
-
 class Inductor(TorchAttentionBackend):
-    """The torch backend's metadata, attention by `_attend_in_place` compiled with dynamic shapes (one
-    compile for every batch size and context length)."""
+    """The torch backend reading K/V in place (engine/attention/in_place.py) in every case, not only
+    where the engine does (float32 decode from batch 8 up)."""
 
-    attend = staticmethod(torch.compile(_attend_in_place, dynamic=True))
-
-    def forward(self, q, k, v, layer, batch, scale):
-        self.kv_pool.store(layer, batch.out_slots, k, v)
-        meta, B, (T, _, _) = batch.attn, batch.batch_size, q.shape
-        qp = q if meta.max_new == 1 else torch.cat([q, q.new_zeros(1, H, D)])[meta.pad_index]
-        out = self.attend(qp.view(B, meta.max_new, HKV, H // HKV, D), self.kv_pool.k[layer], self.kv_pool.v[layer],
-                          meta.kv_index, meta.mask[:, 0], scale)
-        return out.reshape(T, H, D) if meta.max_new == 1 else out.reshape(B * meta.max_new, H, D)[meta.unpad_index]
+    def reads_in_place(self, batch, max_new):
+        return True
 
 
 def timed(fn, n: int = 1) -> float:
@@ -196,12 +206,14 @@ def main() -> None:
     ap.add_argument("--step", action="store_true", help="also time the rest of a SmolLM2-135M decode step")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    cands = {"torch": TorchAttentionBackend, "sdpa-only": SdpaOnly, "views": Views, "inductor": Inductor}
+    cands = {"torch": TorchAttentionBackend, "fresh-copy": FreshCopy, "sdpa-only": SdpaOnly, "views": Views, "inductor": Inductor}
     ints = lambda s: [int(x) for x in s.split(",")]     # noqa: E731
     modes = {"decode": 1, "verify": len(VERIFY_PARENTS)}
     news = [modes[m] for m in a.modes.split(",")]
     print(f"threads {a.threads}; per-layer ms (step = prepare + {LAYERS} layers); max |diff| vs torch")
-    print("| dtype | mode | batch | context | " + " | ".join(cands) + " | torch step ms | best/torch |")
+    others = [n for n in cands if n != "torch"]
+    print("| dtype | mode | batch | context | " + " | ".join(cands) + " | torch step ms | step torch/x: "
+          + ", ".join(others) + " |")
     print("|" + " --- |" * (6 + len(cands)))
     for dt in a.dtypes.split(","):
         rest = rest_of_step(ints(a.batches), news, dt, a.repeats) if a.step else {}
@@ -214,9 +226,8 @@ def main() -> None:
                     tol = 1e-4 if dt == "float32" else 1e-2                 # bf16: its rounding of the output
                     cells = " | ".join(f"{t:.3f}" + ("" if e is None or e < tol else f" (err {e:.1e})")
                                        for t, _, e in r.values())
-                    best = min((n for n in step if n != "torch"), key=step.get)
-                    print(f"| {dt} | {mode} | {b} | {ctx} | {cells} | {step['torch']:.1f}{share} | "
-                          f"{best} {step['torch'] / step[best]:.2f}x |", flush=True)
+                    ratios = ", ".join(f"{step['torch'] / step[n]:.2f}" for n in others)
+                    print(f"| {dt} | {mode} | {b} | {ctx} | {cells} | {step['torch']:.1f}{share} | {ratios} |", flush=True)
 
 
 if __name__ == "__main__":
