@@ -6,11 +6,12 @@
 SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head dim 64, 30 layers). Every request has
 `context` cached tokens, in contiguous slot runs as the allocator hands out a prefill, and 1 (decode)
 or 8 (verify, an EAGLE-style tree mask) new tokens in slots elsewhere. Per case, one layer's
-attention (storing the new K/V, attending) is timed for each candidate, candidates alternated, `--repeats`
-rounds, medians; a step's attention is `prepare` + 30 layers. Candidates:
+attention for a whole step (`prepare`, then 30 layers storing the new K/V and attending, all on one
+layer's pool) is timed for each candidate, candidates alternated, `--repeats` rounds, medians. Candidates:
 - torch: engine/attention/torch_backend.py as the engine runs it: float32 decode from batch 8 up reads
   K/V in place (as inductor below); the rest gathers each request's K/V into a padded batch (two
   buffers every layer reuses), one SDPA.
+- gather: gather + SDPA in every case.
 - fresh-copy: gather + SDPA with a freshly allocated padded copy per layer (the torch backend before).
 - sdpa-only: the same SDPA over K/V gathered beforehand: the bound for keeping gathered K/V between
   steps (which costs a second copy of the cache).
@@ -20,7 +21,7 @@ rounds, medians; a step's attention is `prepare` + 30 layers. Candidates:
   indexed straight from the pool, compiled by inductor, which fuses the indexing into its loads.
 With --step, the rest of a decode step (the real SmolLM2-135M forward with attention replaced by a
 no-op) is timed too, to give attention's share of a step.
-Numbers are per-layer ms. Run it alone: on 2 shared cores, a second busy process skews every number
+Run it alone: on 2 shared cores, a second busy process skews every number
 (with more threads than free cores, torch's parallel regions wait on descheduled threads).
 """
 
@@ -150,20 +151,24 @@ def timed(fn, n: int = 1) -> float:
 
 
 def bench_case(cands: dict, batch: int, context: int, new: int, dtype: torch.dtype, repeats: int) -> dict:
+    """{candidate: (ms of a step's attention: prepare, then LAYERS layers; max |diff| from torch)}."""
     pool, fb, q, k, v = make_case(batch, context, new, dtype)
     backends = {name: cls(pool) for name, cls in cands.items()}
-    reps = max(1, 2000 // (batch * context // 64 + 1))       # ~ fixed work per timing
-    layer, prep, out = {n: [] for n in backends}, {n: [] for n in backends}, {}
+    times, out = {n: [] for n in backends}, {}
     for name, be in backends.items():                              # warm-up (and inductor's compile)
         be.prepare(fb)
         out[name] = be.forward(q, k, v, 0, fb, D ** -0.5)
+
+    def step(be):
+        be.prepare(fb)
+        for _ in range(LAYERS):          # one layer's pool, LAYERS times: as many gathers as a step
+            be.forward(q, k, v, 0, fb, D ** -0.5)
     for _ in range(repeats):
         for name, be in backends.items():
-            prep[name].append(timed(lambda: be.prepare(fb)))
-            layer[name].append(timed(lambda: be.forward(q, k, v, 0, fb, D ** -0.5), reps))
+            times[name].append(timed(lambda: step(be)))
     ref = out["torch"].float()
     err = {n: (o.float() - ref).abs().max().item() for n, o in out.items() if o.shape == ref.shape and n != "views"}
-    return {n: (1e3 * statistics.median(layer[n]), 1e3 * statistics.median(prep[n]), err.get(n)) for n in backends}
+    return {n: (1e3 * statistics.median(times[n]), err.get(n)) for n in backends}
 
 
 class _NoAttention(AttentionBackend):
@@ -206,28 +211,27 @@ def main() -> None:
     ap.add_argument("--step", action="store_true", help="also time the rest of a SmolLM2-135M decode step")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    cands = {"torch": TorchAttentionBackend, "fresh-copy": FreshCopy, "sdpa-only": SdpaOnly, "views": Views, "inductor": Inductor}
+    cands = {"torch": TorchAttentionBackend, "gather": Gathering, "fresh-copy": FreshCopy, "sdpa-only": SdpaOnly,
+             "views": Views, "inductor": Inductor}
     ints = lambda s: [int(x) for x in s.split(",")]     # noqa: E731
     modes = {"decode": 1, "verify": len(VERIFY_PARENTS)}
     news = [modes[m] for m in a.modes.split(",")]
-    print(f"threads {a.threads}; per-layer ms (step = prepare + {LAYERS} layers); max |diff| vs torch")
-    others = [n for n in cands if n != "torch"]
-    print("| dtype | mode | batch | context | " + " | ".join(cands) + " | torch step ms | step torch/x: "
-          + ", ".join(others) + " |")
+    print(f"threads {a.threads}; ms of attention per step ({LAYERS} layers); (err: max |diff| from torch)")
+    print("| dtype | mode | batch | context | " + " | ".join(cands) + " | torch share of step | fresh-copy / torch |")
     print("|" + " --- |" * (6 + len(cands)))
     for dt in a.dtypes.split(","):
         rest = rest_of_step(ints(a.batches), news, dt, a.repeats) if a.step else {}
+        tol = 1e-4 if dt == "float32" else 1e-2                     # bf16: its rounding of the output
         for mode in a.modes.split(","):
             for b in ints(a.batches):
                 for ctx in ints(a.contexts):
                     r = bench_case(cands, b, ctx, modes[mode], getattr(torch, dt), a.repeats)
-                    step = {n: p + LAYERS * t for n, (t, p, _) in r.items()}
-                    share = f" ({step['torch'] / (step['torch'] + rest[b, modes[mode]]):.0%} of step)" if rest else ""
-                    tol = 1e-4 if dt == "float32" else 1e-2                 # bf16: its rounding of the output
-                    cells = " | ".join(f"{t:.3f}" + ("" if e is None or e < tol else f" (err {e:.1e})")
-                                       for t, _, e in r.values())
-                    ratios = ", ".join(f"{step['torch'] / step[n]:.2f}" for n in others)
-                    print(f"| {dt} | {mode} | {b} | {ctx} | {cells} | {step['torch']:.1f}{share} | {ratios} |", flush=True)
+                    cells = " | ".join(f"{t:.1f}" + ("" if e is None or e < tol else f" (err {e:.1e})")
+                                       for t, e in r.values())
+                    torch_ms = r["torch"][0]
+                    share = f"{torch_ms / (torch_ms + rest[b, modes[mode]]):.0%}" if rest else "-"
+                    print(f"| {dt} | {mode} | {b} | {ctx} | {cells} | {share} | "
+                          f"{r['fresh-copy'][0] / torch_ms:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
