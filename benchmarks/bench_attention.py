@@ -5,9 +5,8 @@
 
 SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head dim 64, 30 layers). Every request has
 `context` cached tokens, in contiguous slot runs as the allocator hands out a prefill, and 1 (decode)
-or 8 (verify, an EAGLE-style tree mask) new tokens in slots elsewhere. Per case, one layer's
-attention for a whole step (`prepare`, then 30 layers storing the new K/V and attending, all on one
-layer's pool) is timed for each candidate, candidates alternated, `--repeats` rounds, medians. Candidates:
+or 8 (verify, an EAGLE-style tree mask) new tokens in slots elsewhere. Per case, a whole step's attention (`prepare`, then 30 layers
+storing the new K/V and attending, all on one layer's pool) is timed for each candidate, candidates alternated, `--repeats` rounds, medians. Candidates:
 - torch: engine/attention/torch_backend.py as the engine runs it: float32 decode from batch 8 up reads
   K/V in place (as inductor below); the rest gathers each request's K/V into a padded batch (two
   buffers every layer reuses), one SDPA.
@@ -21,8 +20,8 @@ layer's pool) is timed for each candidate, candidates alternated, `--repeats` ro
   indexed straight from the pool, compiled by inductor, which fuses the indexing into its loads.
 With --step, the rest of a decode step (the real SmolLM2-135M forward with attention replaced by a
 no-op) is timed too, to give attention's share of a step.
-Run it alone: on 2 shared cores, a second busy process skews every number
-(with more threads than free cores, torch's parallel regions wait on descheduled threads).
+Run it alone: on 2 shared cores, a second busy process skews every number (with more threads than
+free cores, torch's parallel regions wait on descheduled threads).
 """
 
 from __future__ import annotations

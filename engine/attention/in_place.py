@@ -4,7 +4,7 @@ The torch backend gathers each request's cached K/V into a padded batch every la
 reads that copy again. Written instead as broadcast products and sums over keys indexed straight from
 the pool, attention compiles (inductor, dynamic shapes: one compile for every batch size and context
 length) to loops that fuse the indexing into their loads: nothing is copied. Measured on a 2-core
-AVX-512 Xeon (benchmarks/bench_attention.py, docs/benchmarking.md) it is 1.2-3x faster than gather +
+AVX-512 Xeon (benchmarks/bench_attention.py, docs/benchmarking.md) it is 1.2-1.7x faster than gather +
 SDPA for float32 decode from batch 8 up, and slower at batch 1, in bfloat16 (SDPA's bf16 kernel reads
 half the bytes) and with several queries per request (SDPA's GEMMs win): `wanted` says where it serves.
 A row's result does not depend on the other rows (nor does SDPA's beyond fp32 rounding).

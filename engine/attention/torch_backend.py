@@ -6,8 +6,9 @@ request's keys are its table row's first prefix_len slots, then its tail: extra 
 its new tokens' slots. All of it is built with tensor ops, whatever the batch size.
 
 On a CPU, float32 decode from batch 8 up reads K/V in place instead (engine/attention/in_place.py:
-1.2-3x faster there, slower elsewhere). Otherwise every layer of a forward gathers into the same two buffers: a fresh [B, max_kv] copy per layer costs
-its page faults again each time (on CPU, up to a third of attention at batch 64, 2048-token contexts;
+1.2-1.7x faster there, slower elsewhere). Otherwise every layer of a forward gathers into the same two
+buffers: a fresh padded copy per layer, once over glibc's 32 MB mmap threshold, is mapped and
+page-faulted again each time (1.4-2x slower attention at 32-64 requests x 1024-2048 tokens in float32;
 benchmarks/bench_attention.py), and the copies were never alive together anyway.
 """
 
