@@ -7,6 +7,7 @@ length) to loops that fuse the indexing into their loads: nothing is copied. Mea
 AVX-512 Xeon (benchmarks/bench_attention.py, docs/benchmarking.md) it is 1.2-1.7x faster than gather +
 SDPA for float32 decode from batch 8 up, and slower at batch 1, in bfloat16 (SDPA's bf16 kernel reads
 half the bytes) and with several queries per request (SDPA's GEMMs win): `wanted` says where it serves.
+Not inside a model compiled whole (--enable-torch-compile): that graph keeps gather + SDPA.
 A row's result does not depend on the other rows (nor does SDPA's beyond fp32 rounding).
 """
 
