@@ -4,6 +4,12 @@ Runs on CPU and GPU. Requests are padded to one [B, max_new, max_kv] problem wit
 mask, so one SDPA call serves prefill, decode, tree verification and draft-tree expansion alike. A
 request's keys are its table row's first prefix_len slots, then its tail: extra (scratch) slots and
 its new tokens' slots. All of it is built with tensor ops, whatever the batch size.
+
+On a CPU, float32 decode from batch 8 up reads K/V in place instead (engine/attention/in_place.py:
+1.2-1.7x faster there, slower elsewhere). Otherwise every layer of a forward gathers into the same two
+buffers: a fresh padded copy per layer, once over glibc's 32 MB mmap threshold, is mapped and
+page-faulted again each time (1.4-2x slower attention at 32-64 requests x 1024-2048 tokens in float32;
+benchmarks/bench_attention.py), and the copies were never alive together anyway.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from engine.attention import in_place
 from engine.attention.base import AttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.memory.kv_pool import KVPool
@@ -26,11 +33,13 @@ class _Metadata:
     pad_index: Optional[torch.Tensor]      # [B * max_new] flat token per padded query row (T = a zero row)
     unpad_index: Optional[torch.Tensor]    # [T] padded row of each flat token
     max_new: int
+    in_place: bool                         # read K/V in place rather than gather them (engine/attention/in_place.py)
+    buffers: Optional[tuple[torch.Tensor, torch.Tensor]]   # K and V, gathered into by each layer in turn
 
 
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, kv_pool: KVPool):
-        self.kv_pool = kv_pool
+        self.kv_pool, self.in_place_attention = kv_pool, in_place.InPlaceAttention()
 
     def prepare(self, batch: ForwardBatch) -> None:
         B, device = batch.batch_size, batch.table.device
@@ -51,7 +60,7 @@ class TorchAttentionBackend(AttentionBackend):
             # Decode: one query per request, which sees all its keys; only the padding needs masking
             # (always a mask, even when nothing is padded: a compiled forward then has one graph).
             mask = (key_pos[None, :] < kv_len[:, None])[:, None, None, :]
-            batch.attn = _Metadata(kv_index, mask, None, None, 1)
+            batch.attn = _Metadata(kv_index, mask, None, None, 1, *self._reads(batch, kv_index, 1))
             return
 
         new = torch.tensor(batch.extend_lens, device=device)
@@ -70,23 +79,49 @@ class TorchAttentionBackend(AttentionBackend):
         T = sum(batch.extend_lens)
         pad_index = torch.where(valid, offsets[:, None] + q_pos[None, :], T)
         unpad_index = (torch.arange(B, device=device)[:, None] * max_new + q_pos[None, :])[valid]
-        batch.attn = _Metadata(kv_index, mask[:, None], pad_index.flatten(), unpad_index, max_new)
+        batch.attn = _Metadata(kv_index, mask[:, None], pad_index.flatten(), unpad_index, max_new,
+                               *self._reads(batch, kv_index, max_new))
+
+    def _reads(self, batch: ForwardBatch, kv_index: torch.Tensor, max_new: int):
+        """(in_place, gather buffers) of a forward: buffers are needed only to gather."""
+        if self.reads_in_place(batch, max_new):
+            return True, None
+        return False, self.kv_pool.gather_buffers(kv_index.numel())
+
+    def reads_in_place(self, batch: ForwardBatch, max_new: int) -> bool:
+        """Whether this forward reads K/V in place (engine/attention/in_place.py) rather than gathering."""
+        pool = self.kv_pool.k[0]
+        return not self.in_place_attention.broken and in_place.wanted(pool.dtype, pool.device, batch.batch_size, max_new)
 
     def forward(self, q, k, v, layer, batch, scale):
         self.kv_pool.store(layer, batch.out_slots, k, v)
         meta: _Metadata = batch.attn
         B = meta.kv_index.shape[0]          # a tensor's size, not a list's length: symbolic when compiled
         T, H, D = q.shape
-        keys, values = self.kv_pool.gather(layer, meta.kv_index)
-        keys, values = keys.transpose(1, 2), values.transpose(1, 2)      # [B, Hkv, max_kv, D]
         if meta.max_new == 1:
-            qp = q.view(B, 1, H, D).transpose(1, 2)
+            qp = q.view(B, 1, H, D)
         else:
-            q_ext = torch.cat([q, q.new_zeros(1, H, D)])
-            qp = q_ext[meta.pad_index].view(B, meta.max_new, H, D).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=meta.mask, scale=scale,
-                                             enable_gqa=keys.shape[1] != H)
-        out = out.transpose(1, 2)                                        # [B, max_new, H, D]
+            qp = torch.cat([q, q.new_zeros(1, H, D)])[meta.pad_index].view(B, meta.max_new, H, D)
+        out = None
+        # A compiled model forward keeps to one graph: in_place is not read (nor guarded on) there.
+        if not torch.compiler.is_compiling() and meta.in_place:
+            k_pool, v_pool = self.kv_pool.k[layer], self.kv_pool.v[layer]
+            Hkv = k_pool.shape[1]
+            out = self.in_place_attention(qp.view(B, meta.max_new, Hkv, H // Hkv, D), k_pool, v_pool,
+                                          meta.kv_index, meta.mask[:, 0], scale)
+        if out is None:
+            out = self._gather_and_attend(qp, layer, meta, scale)
+        out = out.reshape(B, meta.max_new, H, D)
         if meta.max_new == 1:
             return out.reshape(T, H, D)
         return out.reshape(B * meta.max_new, H, D)[meta.unpad_index]
+
+    def _gather_and_attend(self, qp, layer, meta: _Metadata, scale) -> torch.Tensor:
+        """qp [B, max_new, H, D] -> [B, max_new, H, D], by SDPA over K/V gathered into a padded batch."""
+        # Compiled, the buffers would be graph inputs written in place; inductor plans its own memory.
+        buffers = None if torch.compiler.is_compiling() else meta.buffers
+        keys, values = self.kv_pool.gather(layer, meta.kv_index, buffers)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)      # [B, Hkv, max_kv, D]
+        out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=scale,
+                                             enable_gqa=keys.shape[1] != qp.shape[2])
+        return out.transpose(1, 2)

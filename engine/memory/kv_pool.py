@@ -75,8 +75,18 @@ class KVPool:
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `slots` (any shape S): two [*S, Hkv, D] copies."""
+    def gather(self, layer: int, slots: torch.Tensor,
+               out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `slots` (any shape S): two [*S, Hkv, D] copies, written into `out` (two
+        [S.numel(), Hkv, D] buffers) when given."""
         flat = slots.reshape(-1)
         shape = (*slots.shape, *self.k[layer].shape[1:])
-        return self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(shape)
+        if out is None:
+            return self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(shape)
+        return (torch.index_select(self.k[layer], 0, flat, out=out[0]).view(shape),
+                torch.index_select(self.v[layer], 0, flat, out=out[1]).view(shape))
+
+    def gather_buffers(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two buffers for `gather(..., out=)` of `count` slots."""
+        return tuple(torch.empty((count, *buf.shape[1:]), dtype=buf.dtype, device=buf.device)
+                     for buf in (self.k[0], self.v[0]))
