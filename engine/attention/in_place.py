@@ -14,6 +14,7 @@ A row's result does not depend on the other rows (nor does SDPA's beyond fp32 ro
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Optional
 
 import torch
@@ -38,18 +39,42 @@ def _attend(q, k_pool, v_pool, kv_index, mask, scale):
 
 
 class InPlaceAttention:
-    """`_attend` compiled on first use; None from then on if compiling fails (no C++ compiler, say),
-    and the caller gathers instead."""
+    """`_attend`, compiled in a background thread from its first call: compiling takes ~12 s on a cold
+    cache, which would stall every running request. Until it is ready, and for good if compiling fails
+    (no C++ compiler, say), a call returns None and the caller gathers instead."""
 
     def __init__(self):
-        self._fn, self.broken = torch.compile(_attend, dynamic=True), False
+        self._fn = torch.compile(_attend, dynamic=True)
+        self.ready, self.broken = False, False
+        self._thread: Optional[threading.Thread] = None
 
     def __call__(self, q, k_pool, v_pool, kv_index, mask, scale) -> Optional[torch.Tensor]:
-        if self.broken:
-            return None
+        if self.ready:
+            try:
+                return self._fn(q, k_pool, v_pool, kv_index, mask, scale)
+            except Exception as e:      # a shape it recompiles for and fails on
+                self._give_up(e)
+                return None
+        if self._thread is None and not self.broken:
+            # Its own copies of the small inputs; the pools are only read (a value written meanwhile
+            # changes nothing but the discarded warm-up result).
+            args = (q.clone(), k_pool, v_pool, kv_index.clone(), mask.clone(), scale)
+            self._thread = threading.Thread(target=self._compile, args=args, name="in-place-attention", daemon=True)
+            self._thread.start()
+        return None
+
+    def join(self) -> None:
+        """Wait for the compile started by the first call (tests)."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def _compile(self, *args) -> None:
         try:
-            return self._fn(q, k_pool, v_pool, kv_index, mask, scale)
-        except Exception as e:      # inductor's errors have no common base worth naming
-            log.warning("in-place CPU attention could not be compiled (%s); gathering K/V instead", e)
-            self.broken = True
-            return None
+            self._fn(*args)
+            self.ready = True
+        except Exception as e:          # inductor's errors have no common base worth naming
+            self._give_up(e)
+
+    def _give_up(self, e: Exception) -> None:
+        log.warning("in-place CPU attention could not be compiled (%s); gathering K/V instead", e)
+        self.ready, self.broken = False, True
