@@ -211,7 +211,7 @@ def main() -> None:
                                                                "new_tokens": a.max_new_tokens}))
         base = statistics.median(r["tok_s"] for r in results["llama.cpp plain"])
         print(f"\n## {model} ({gguf.name})\n")
-        print("| case | decode tok/s | vs llama.cpp plain | accept | verify-8 / 1-token | peak RSS GB | first request s |")
+        print("| case | decode tok/s | vs llama.cpp plain | accept | verify-8 / 1-token | peak RSS GiB | first request s |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
         for name, runs in results.items():
             def med(key, fmt):
