@@ -59,7 +59,10 @@ class InPlaceAttention:
             # Its own copies of the small inputs; the pools are only read (a value written meanwhile
             # changes nothing but the discarded warm-up result).
             args = (q.clone(), k_pool, v_pool, kv_index.clone(), mask.clone(), scale)
-            self._thread = threading.Thread(target=self._compile, args=args, name="in-place-attention", daemon=True)
+            # Under the caller's grad and inference modes: compiled code is guarded on them.
+            modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+            self._thread = threading.Thread(target=self._compile, args=(modes, *args), name="in-place-attention",
+                                            daemon=True)
             self._thread.start()
         return None
 
@@ -68,9 +71,10 @@ class InPlaceAttention:
         if self._thread is not None:
             self._thread.join()
 
-    def _compile(self, *args) -> None:
+    def _compile(self, modes: tuple[bool, bool], *args) -> None:
         try:
-            self._fn(*args)
+            with torch.inference_mode(modes[0]), torch.set_grad_enabled(modes[1]):
+                self._fn(*args)
             self.ready = True
         except Exception as e:          # inductor's errors have no common base worth naming
             self._give_up(e)
