@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step_overhead import _decode_steps, _timed, prompts_for  # noqa: E402
+from bench_step_overhead import _timed, decode_step_times, prompts_for  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
     "title": {"type": "string", "maxLength": 40}, "rating": {"type": "integer", "minimum": 1, "maximum": 10},
@@ -46,16 +46,7 @@ def measure(model: str, algo: str, batch: int, max_new: int, constrained: bool) 
     grammar = eng.compile_grammar(params)
     compile_ms = 1e3 * (time.perf_counter() - t)
     reqs = [eng.make_request(p, params, grammar=grammar) for p in prompts_for(eng.tokenizer, batch)]
-    for r in reqs:
-        eng.add_request(r)
-    steps, masks = [], []
-    while not all(r.finished for r in reqs):
-        before, mask_time[0] = _decode_steps(eng), 0.0
-        t = time.perf_counter()
-        eng.step()
-        if _decode_steps(eng) > before:
-            steps.append(time.perf_counter() - t)
-            masks.append(mask_time[0])
+    steps, masks = decode_step_times(eng, reqs, mask_time)
     tokens = sum(len(r.output_ids) for r in reqs)
     return {"compile_ms": compile_ms, "steps": len(steps), "tokens_per_step": tokens / max(1, len(steps)),
             "step_ms": 1e3 * statistics.median(steps), "mask_ms": 1e3 * statistics.median(masks)}

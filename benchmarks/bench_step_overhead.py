@@ -64,6 +64,23 @@ def _decode_steps(eng) -> int:
     return stats["decode_steps"]
 
 
+def decode_step_times(eng, reqs, acc: list) -> tuple[list[float], list[float]]:
+    """Run `reqs` to the end, step by step: the wall time of every decode step, and what the `_timed`
+    accumulator `acc` gathered during it."""
+    for r in reqs:
+        eng.add_request(r)
+    steps, inner = [], []
+    while not all(r.finished for r in reqs):
+        before, acc[0] = _decode_steps(eng), 0.0
+        t = time.perf_counter()
+        eng.step()
+        dt = time.perf_counter() - t
+        if _decode_steps(eng) > before:
+            steps.append(dt)
+            inner.append(acc[0])
+    return steps, inner
+
+
 def measure(model: str, algo: str, batch: int, max_new: int, threads: int, tree: list) -> dict:
     import torch
 
@@ -84,17 +101,7 @@ def measure(model: str, algo: str, batch: int, max_new: int, threads: int, tree:
     prompts = prompts_for(eng.tokenizer, batch)
     eng.generate(input_ids=prompts[0], sampling_params={**params, "max_new_tokens": 8})     # warm-up
     reqs = [eng.make_request(p, SamplingParams.from_dict(params)) for p in prompts]
-    for r in reqs:
-        eng.add_request(r)
-    steps, models = [], []
-    while not all(r.finished for r in reqs):
-        before, model_time[0] = _decode_steps(eng), 0.0
-        t = time.perf_counter()
-        eng.step()
-        dt = time.perf_counter() - t
-        if _decode_steps(eng) > before:
-            steps.append(dt)
-            models.append(model_time[0])
+    steps, models = decode_step_times(eng, reqs, model_time)
     host = [s - m for s, m in zip(steps, models)]
     tokens = sum(len(r.output_ids) for r in reqs)
     return {"algo": algo, "batch": batch, "steps": len(steps), "tokens": tokens,
