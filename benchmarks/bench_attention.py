@@ -7,17 +7,16 @@ SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head dim 64, 30 laye
 `context` cached tokens, in contiguous slot runs as the allocator hands out a prefill, and 1 (decode)
 or 8 (verify, an EAGLE-style tree mask) new tokens in slots elsewhere. Per case, a whole step's attention (`prepare`, then 30 layers
 storing the new K/V and attending, all on one layer's pool) is timed for each candidate, candidates alternated, `--repeats` rounds, medians. Candidates:
-- torch: engine/attention/torch_backend.py as the engine runs it: float32 decode from batch 8 up reads
-  K/V in place (as inductor below); the rest gathers each request's K/V into a padded batch (two
-  buffers every layer reuses), one SDPA.
-- gather: gather + SDPA in every case.
+- torch: engine/attention/torch_backend.py as the engine runs decode steps: kernels/cpu_attention.c
+  over each token's list of visible slots, read in place (batch-invariant: a token's bits do not
+  depend on the rest of the batch).
+- gather: the backend's other path, used for prefill: each request's K/V gathered into a padded batch
+  (two buffers every layer reuses), one SDPA.
 - fresh-copy: gather + SDPA with a freshly allocated padded copy per layer (the torch backend before).
 - sdpa-only: the same SDPA over K/V gathered beforehand: the bound for keeping gathered K/V between
   steps (which costs a second copy of the cache).
 - views: one SDPA per request over views of its contiguous prefix run, no gather (new tokens left
   out): the bound for reading runs in place, and the cost of a Python loop over requests.
-- inductor: engine/attention/in_place.py in every case: attention as products and sums over keys
-  indexed straight from the pool, compiled by inductor, which fuses the indexing into its loads.
 With --step, the rest of a decode step (the real SmolLM2-135M forward with attention replaced by a
 no-op) is timed too, to give attention's share of a step.
 Run it alone: on 2 shared cores, a second busy process skews every number (with more threads than
@@ -66,6 +65,7 @@ def make_case(batch: int, context: int, new: int, dtype: torch.dtype, seed: int 
     masks = None if new == 1 else tree_mask().expand(batch, new, new).contiguous()
     fb = make_batch(table, range(batch), [context] * batch, torch.zeros(batch * new, dtype=torch.long), out_slots,
                     [new] * batch, masks=masks)
+    fb.decode_step = True
     q = torch.randn(batch * new, H, D, generator=g).to(dtype)
     return pool, fb, q, pool.k[0][out_slots].clone(), pool.v[0][out_slots].clone()
 
@@ -73,7 +73,7 @@ def make_case(batch: int, context: int, new: int, dtype: torch.dtype, seed: int 
 class Gathering(TorchAttentionBackend):
     """The torch backend gathering in every case."""
 
-    def reads_in_place(self, batch, max_new):
+    def uses_key_lists(self, batch, max_new):
         return False
 
 
@@ -132,14 +132,6 @@ class Views(AttentionBackend):
             out.append(F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=True)[0].transpose(0, 1))
             t += new
         return torch.cat(out)
-
-
-class Inductor(TorchAttentionBackend):
-    """The torch backend reading K/V in place (engine/attention/in_place.py) in every case, not only
-    where the engine does (float32 decode from batch 8 up)."""
-
-    def reads_in_place(self, batch, max_new):
-        return True
 
 
 def timed(fn, n: int = 1) -> float:
@@ -211,12 +203,12 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     cands = {"torch": TorchAttentionBackend, "gather": Gathering, "fresh-copy": FreshCopy, "sdpa-only": SdpaOnly,
-             "views": Views, "inductor": Inductor}
+             "views": Views}
     ints = lambda s: [int(x) for x in s.split(",")]     # noqa: E731
     modes = {"decode": 1, "verify": len(VERIFY_PARENTS)}
     news = [modes[m] for m in a.modes.split(",")]
     print(f"threads {a.threads}; ms of attention per step ({LAYERS} layers); (err: max |diff| from torch)")
-    print("| dtype | mode | batch | context | " + " | ".join(cands) + " | torch share of step | fresh-copy / torch |")
+    print("| dtype | mode | batch | context | " + " | ".join(cands) + " | torch share of step | gather / torch |")
     print("|" + " --- |" * (6 + len(cands)))
     for dt in a.dtypes.split(","):
         rest = rest_of_step(ints(a.batches), news, dt, a.repeats) if a.step else {}
@@ -230,7 +222,7 @@ def main() -> None:
                     torch_ms = r["torch"][0]
                     share = f"{torch_ms / (torch_ms + rest[b, modes[mode]]):.0%}" if rest else "-"
                     print(f"| {dt} | {mode} | {b} | {ctx} | {cells} | {share} | "
-                          f"{r['fresh-copy'][0] / torch_ms:.2f}x |", flush=True)
+                          f"{r['gather'][0] / torch_ms:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

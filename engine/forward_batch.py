@@ -33,6 +33,9 @@ class ForwardBatch:
     # Hidden states to return, by index in Hugging Face's `hidden_states` tuple (0 = embeddings, i = the
     # input of layer i); EAGLE-3 drafts read three of them.
     capture_hidden: tuple[int, ...] = ()
+    # A decode step's forward (decode or tree verification): attention must give each token the bits a
+    # lone decode of it would (engine/attention/torch_backend.py), or speculation changes the output.
+    decode_step: bool = False
     attn: Any = field(default=None, repr=False)   # backend-specific metadata, set by AttentionBackend.prepare
 
     @property

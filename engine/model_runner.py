@@ -155,6 +155,7 @@ class ModelRunner:
         """Run the model over the batch's new tokens; logits for the flat token indices `logit_rows`
         (or for every token with `all_logits`). A `decode` step runs at a bucketed shape when graphs
         are enabled."""
+        batch.decode_step = decode
         size = self.graphs.bucket(batch) if decode and self.graphs is not None else None
         if size is None:
             self.backend.prepare(batch)

@@ -59,7 +59,6 @@ class Scheduler:
         radix cache is emptied, since its entries hold no KV of a draft that was not running."""
         assert not self.has_work, "workers change between requests only"
         self.kv.flush()
-        self.kv.use_pair_keys(bool(worker.drafter and worker.drafter.reads_next_token))
         self.worker, self.args = worker, args
         self.spec_stats = SpecStats(args.speculative_num_steps) if worker.drafter else None
 

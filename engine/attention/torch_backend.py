@@ -5,11 +5,16 @@ mask, so one SDPA call serves prefill, decode, tree verification and draft-tree 
 request's keys are its table row's first prefix_len slots, then its tail: extra (scratch) slots and
 its new tokens' slots. All of it is built with tensor ops, whatever the batch size.
 
-On a CPU, float32 decode from batch 8 up reads K/V in place instead (engine/attention/in_place.py:
-1.2-1.7x faster there, slower elsewhere). Otherwise every layer of a forward gathers into the same two
-buffers: a fresh padded copy per layer, once over glibc's 32 MB mmap threshold, is mapped and
-page-faulted again each time (1.4-2x slower attention at 32-64 requests x 1024-2048 tokens in float32;
-benchmarks/bench_attention.py), and the copies were never alive together anyway.
+On a CPU, decode steps (decode and tree verification) and every one-token forward go through
+kernels/cpu_attention.c instead: each token attends over the list of its visible keys where they lie
+in the pool, by a fixed sequence of operations, so a token's result is bit for bit the same alone
+or verified among others. Speculative decoding then repeats plain decoding exactly, also where bf16
+or int8 rounding downstream would amplify a last-bit difference between SDPA's decode and extend
+paths into a different token. It is also 1.5-2x faster than gather + SDPA for float32 decode
+(benchmarks/bench_attention.py); SDPA's GEMMs stay faster for prefill, which keeps them.
+Otherwise every layer of a forward gathers into the same two buffers: a fresh padded copy per layer,
+once over glibc's 32 MB mmap threshold, is mapped and page-faulted again each time (1.4-2x slower
+attention at 32-64 requests x 1024-2048 tokens in float32), and the copies were never alive together.
 """
 
 from __future__ import annotations
@@ -20,10 +25,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from engine.attention import in_place
 from engine.attention.base import AttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.memory.kv_pool import KVPool
+from spec_kernels import cpu_attention
 
 
 @dataclass
@@ -33,13 +38,19 @@ class _Metadata:
     pad_index: Optional[torch.Tensor]      # [B * max_new] flat token per padded query row (T = a zero row)
     unpad_index: Optional[torch.Tensor]    # [T] padded row of each flat token
     max_new: int
-    in_place: bool                         # read K/V in place rather than gather them (engine/attention/in_place.py)
     buffers: Optional[tuple[torch.Tensor, torch.Tensor]]   # K and V, gathered into by each layer in turn
+
+
+@dataclass
+class _KeyLists:
+    """Per token, the slots of the keys it sees, in position order: kernels/cpu_attention.c reads them."""
+    slots: torch.Tensor                    # [T, max_kv] int64 (the first `lens[t]` count)
+    lens: torch.Tensor                     # [T] int64
 
 
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, kv_pool: KVPool):
-        self.kv_pool, self.in_place_attention = kv_pool, in_place.InPlaceAttention()
+        self.kv_pool = kv_pool
 
     def prepare(self, batch: ForwardBatch) -> None:
         B, device = batch.batch_size, batch.table.device
@@ -55,12 +66,16 @@ class TorchAttentionBackend(AttentionBackend):
         kv_index = torch.where(j < 0, kv_index, tails.gather(1, j.clamp(0, tails.shape[1] - 1)))
         kv_len = prefix + tail
         kv_index = torch.where(key_pos[None, :] < kv_len[:, None], kv_index, 0)
+        key_lists = self.uses_key_lists(batch, max_new)
 
         if max_new == 1 and batch.masks is None:
             # Decode: one query per request, which sees all its keys; only the padding needs masking
             # (always a mask, even when nothing is padded: a compiled forward then has one graph).
+            if key_lists:
+                batch.attn = _KeyLists(kv_index, kv_len)
+                return
             mask = (key_pos[None, :] < kv_len[:, None])[:, None, None, :]
-            batch.attn = _Metadata(kv_index, mask, None, None, 1, *self._reads(batch, kv_index, 1))
+            batch.attn = _Metadata(kv_index, mask, None, None, 1, self._buffers(kv_index))
             return
 
         new = torch.tensor(batch.extend_lens, device=device)
@@ -74,44 +89,39 @@ class TorchAttentionBackend(AttentionBackend):
             seen = batch.masks.to(device).gather(2, index)
         mask = (j < 0) | ((j < tail[:, None, None]) & seen)
         valid = q_pos[None, :] < new[:, None]                                        # [B, max_new]
+        unpad_index = (torch.arange(B, device=device)[:, None] * max_new + q_pos[None, :])[valid]
+        if key_lists:
+            batch.attn = _key_lists(kv_index, mask.view(B * max_new, max_kv)[unpad_index], unpad_index // max_new)
+            return
         mask[:, :, 0] |= ~valid                 # padded query rows attend somewhere finite; dropped after
         offsets = new.cumsum(0) - new
         T = sum(batch.extend_lens)
         pad_index = torch.where(valid, offsets[:, None] + q_pos[None, :], T)
-        unpad_index = (torch.arange(B, device=device)[:, None] * max_new + q_pos[None, :])[valid]
         batch.attn = _Metadata(kv_index, mask[:, None], pad_index.flatten(), unpad_index, max_new,
-                               *self._reads(batch, kv_index, max_new))
+                               self._buffers(kv_index))
 
-    def _reads(self, batch: ForwardBatch, kv_index: torch.Tensor, max_new: int):
-        """(in_place, gather buffers) of a forward: buffers are needed only to gather."""
-        if self.reads_in_place(batch, max_new):
-            return True, None
-        return False, self.kv_pool.gather_buffers(kv_index.numel())
+    def _buffers(self, kv_index: torch.Tensor):
+        return self.kv_pool.gather_buffers(kv_index.numel())
 
-    def reads_in_place(self, batch: ForwardBatch, max_new: int) -> bool:
-        """Whether this forward reads K/V in place (engine/attention/in_place.py) rather than gathering."""
+    def uses_key_lists(self, batch: ForwardBatch, max_new: int) -> bool:
+        """Whether this forward attends through kernels/cpu_attention.c: on a CPU, in decode steps
+        (decode and tree verification alike, so that they agree bit for bit) and one-token forwards."""
         pool = self.kv_pool.k[0]
-        return not self.in_place_attention.broken and in_place.wanted(pool.dtype, pool.device, batch.batch_size, max_new)
+        return ((batch.decode_step or max_new == 1) and cpu_attention.supports(pool.dtype, pool.device, pool.shape[-1])
+                and cpu_attention.library() is not None)
 
     def forward(self, q, k, v, layer, batch, scale):
         self.kv_pool.store(layer, batch.out_slots, k, v)
-        meta: _Metadata = batch.attn
+        meta = batch.attn
+        if isinstance(meta, _KeyLists):
+            return cpu_attention.attend(q, self.kv_pool.k[layer], self.kv_pool.v[layer], meta.slots, meta.lens, scale)
         B = meta.kv_index.shape[0]          # a tensor's size, not a list's length: symbolic when compiled
         T, H, D = q.shape
         if meta.max_new == 1:
             qp = q.view(B, 1, H, D)
         else:
             qp = torch.cat([q, q.new_zeros(1, H, D)])[meta.pad_index].view(B, meta.max_new, H, D)
-        out = None
-        # A compiled model forward keeps to one graph: in_place is not read (nor guarded on) there.
-        if not torch.compiler.is_compiling() and meta.in_place:
-            k_pool, v_pool = self.kv_pool.k[layer], self.kv_pool.v[layer]
-            Hkv = k_pool.shape[1]
-            out = self.in_place_attention(qp.view(B, meta.max_new, Hkv, H // Hkv, D), k_pool, v_pool,
-                                          meta.kv_index, meta.mask[:, 0], scale)
-        if out is None:
-            out = self._gather_and_attend(qp, layer, meta, scale)
-        out = out.reshape(B, meta.max_new, H, D)
+        out = self._gather_and_attend(qp, layer, meta, scale).reshape(B, meta.max_new, H, D)
         if meta.max_new == 1:
             return out.reshape(T, H, D)
         return out.reshape(B * meta.max_new, H, D)[meta.unpad_index]
@@ -125,3 +135,13 @@ class TorchAttentionBackend(AttentionBackend):
         out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=scale,
                                              enable_gqa=keys.shape[1] != qp.shape[2])
         return out.transpose(1, 2)
+
+
+def _key_lists(kv_index: torch.Tensor, seen: torch.Tensor, request: torch.Tensor) -> _KeyLists:
+    """Each token's visible slots moved to the front of its row, in order: the slots of request
+    `request[t]`'s keys kv_index that `seen[t]` [T, max_kv] marks."""
+    T, max_kv = seen.shape
+    column = torch.where(seen, seen.cumsum(1) - 1, max_kv)       # hidden keys go to a dropped last column
+    slots = torch.zeros((T, max_kv + 1), dtype=torch.long, device=seen.device)
+    slots.scatter_(1, column, kv_index[request])
+    return _KeyLists(slots[:, :max_kv].contiguous(), seen.sum(1))

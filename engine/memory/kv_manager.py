@@ -6,9 +6,12 @@ accepted tokens into the table; whatever a step allocated and did not commit goe
 list, which is all a rollback is. Every model (the target and any draft) keeps its own K/V buffers
 indexed by these same slots, so a cached prefix is cached for the draft too.
 
-Drafts whose KV at position t depends on token t + 1 (EAGLE, EAGLE-3, MTP: they read the target's
-feature at t with the embedding of t + 1) key the radix cache by token pairs, so a match also agrees
-on the token after each cached position (SGLang does the same for EAGLE).
+The radix cache is keyed by token pairs (each position's token and the next one), whatever decodes:
+EAGLE-style drafts' KV at position t depends on token t + 1 (they read the target's feature at t with
+the embedding of t + 1), so a match must agree on the next token too (SGLang does the same for EAGLE);
+and with one key for every configuration, plain and speculative decoding cache and reuse exactly the
+same positions (a finished request's first seq_len - 1, whose KV plain decoding computed), so a later
+prompt's prefill starts at the same position in both and their outputs stay identical token for token.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ class KVManager:
         self.pad_row, self.pad_slot = max_rows, num_slots + 1
         self._free_rows = list(range(max_rows))
         self.radix: Optional[RadixCache] = RadixCache(self.allocator) if radix else None
-        self.pair_keys = False
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -51,13 +53,6 @@ class KVManager:
 
     def rows_available(self) -> int:
         return len(self._free_rows)
-
-    def use_pair_keys(self, on: bool) -> None:
-        """Key the radix cache by token pairs (drafts that read the next token); the cache is emptied
-        when the key changes, since entries made under the other key do not carry what it promises."""
-        if on != self.pair_keys:
-            self.flush()
-            self.pair_keys = on
 
     def flush(self) -> None:
         """Evict every unlocked cached prefix."""
@@ -121,9 +116,9 @@ class KVManager:
         if req.row is None:
             return
         slots = self.table[req.row, :req.kv_len].cpu()
-        # KV past a cut (a stop inside an accepted run) is not the request's text; pair keys also need
-        # the token after each kept position.
-        keep = min(req.kv_len, req.seq_len - self.pair_keys)
+        # A pair key needs the token after its position: the last token's KV (which only a stop inside
+        # an accepted run leaves) is not kept, nor KV past such a cut.
+        keep = min(req.kv_len, req.seq_len - 1)
         self.allocator.free(slots[keep:])
         if self.radix:
             dup = self.radix.insert(self._key(req.token_ids, keep), slots[:keep])
@@ -135,7 +130,5 @@ class KVManager:
         req.row, req.kv_len, req.prefix_len, req.radix_node = None, 0, 0, None
 
     def _key(self, ids: Sequence[int], n: int) -> Sequence[int]:
-        """Radix key of the first n positions: the tokens, or (token, next token) pairs as one int."""
-        if not self.pair_keys:
-            return ids[:n]
+        """Radix key of the first n positions: (token, next token) pairs, each as one int."""
         return [(a << 32) | b for a, b in zip(ids[:n], ids[1:n + 1])]

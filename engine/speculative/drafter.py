@@ -14,7 +14,6 @@ from engine.step import DecodeStep, PrefillStep
 
 class Drafter:
     scratch_slots = 0                    # KV slots per request per decode step besides the tree's
-    reads_next_token = False             # its KV at position t depends on token t + 1 (radix pair keys)
     capture_hidden: tuple[int, ...] = ()   # target hidden states it reads
 
     def set_tree(self, tree: tuple[int, int, int], rejection: bool) -> None:

@@ -76,7 +76,6 @@ def load_draft(args: ServerArgs, target: nn.Module, target_dir, dtype: torch.dty
 
 class EagleDrafter(ModelDrafter):
     position_shift = -1
-    reads_next_token = True
 
     def __init__(self, model: nn.Module, target: nn.Module, num_slots: int, max_rows: int, table: torch.Tensor,
                  tree: tuple[int, int, int], rejection: bool, eos_ids: Sequence[int], backend: str):
