@@ -104,8 +104,9 @@ class ServerArgs:
         "Admission order of waiting requests: lpm (longest cached prefix first) or fcfs.",
         group="Memory and scheduling", choices=("lpm", "fcfs")))
     attention_backend: str = field(default="auto", metadata=opt(
-        "Attention kernels. torch: SDPA over the paged cache, CPU and GPU (on a CPU, float32 decode from "
-        "batch 8 up reads the cache in place instead, compiled by inductor). triton: paged-attention kernels "
+        "Attention kernels. torch: SDPA over the paged cache, CPU and GPU (on a CPU, decode and verify steps "
+        "use a batch-invariant C kernel reading the cache in place instead, so that speculative output "
+        "equals plain decoding's bit for bit; built on first use). triton: paged-attention kernels "
         "that read the cache in place (decode, extend and tree verification), on a CUDA GPU; needed for "
         "CUDA graphs. flashinfer: accepted as SGLang spells it, refused until it lands. auto: torch.",
         group="Memory and scheduling", choices=("auto", "torch", "triton", "flashinfer")))

@@ -64,8 +64,8 @@ def _build() -> ctypes.CDLL:
     fn = library.spec_attend
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
-                                           ctypes.c_int]
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
     return library
 
 
@@ -92,34 +92,44 @@ def supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
 
 
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
-           kv_len: torch.Tensor, scale: float) -> torch.Tensor:
+           kv_len: torch.Tensor, scale: float, starts: Optional[torch.Tensor] = None,
+           shared: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [T, H, D] over token t's visible slots kv_index[t, :kv_len[t]] (int64) of the pools
-    [slots, Hkv, D] of q's dtype: [T, H, D]. Compiled code calls it as the opaque op spec::cpu_attention."""
+    [slots, Hkv, D] of q's dtype: [T, H, D]. Optionally the tokens in groups that share leading keys
+    (a request's tokens share its prefix), read once for the group: group i is tokens
+    starts[i]:starts[i + 1], whose first shared[i] slots are the same; by default every token is its own
+    group. Grouping changes no bit of the result. Compiled code calls it as the opaque op
+    spec::cpu_attention."""
+    if starts is None:
+        starts = torch.arange(len(q) + 1)
+        shared = kv_len
     if torch.compiler.is_compiling():
-        return torch.ops.spec.cpu_attention(q, k_pool, v_pool, kv_index, kv_len, scale)
-    return _attend(q, k_pool, v_pool, kv_index, kv_len, scale)
+        return torch.ops.spec.cpu_attention(q, k_pool, v_pool, kv_index, kv_len, starts, shared, scale)
+    return _attend(q, k_pool, v_pool, kv_index, kv_len, starts, shared, scale)
 
 
 @torch.library.custom_op("spec::cpu_attention", mutates_args=())
 def _attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
-            kv_len: torch.Tensor, scale: float) -> torch.Tensor:
+            kv_len: torch.Tensor, starts: torch.Tensor, shared: torch.Tensor, scale: float) -> torch.Tensor:
     lib = library()
     if lib is None:
         raise RuntimeError(f"batch-invariant CPU attention unavailable: {_failure}")
     q, kv_index, kv_len = q.contiguous(), kv_index.contiguous(), kv_len.contiguous()
+    starts, shared = starts.contiguous(), shared.contiguous()
     assert q.dtype == k_pool.dtype == v_pool.dtype and k_pool.is_contiguous() and v_pool.is_contiguous()
     out = torch.empty_like(q)
     T, H, D = q.shape
     rc = lib.spec_attend(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
                          int(q.dtype == torch.bfloat16), T, H, k_pool.shape[1], D, kv_index.data_ptr(),
-                         kv_len.data_ptr(), kv_index.shape[1], scale, torch.get_num_threads())
+                         kv_len.data_ptr(), kv_index.shape[1], starts.data_ptr(), shared.data_ptr(), len(shared),
+                         scale, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError("cpu_attention: unsupported shape or out of memory")
     return out
 
 
 @_attend.register_fake
-def _(q, k_pool, v_pool, kv_index, kv_len, scale):
+def _(q, k_pool, v_pool, kv_index, kv_len, starts, shared, scale):
     return torch.empty_like(q)
 
 

@@ -46,6 +46,8 @@ class _KeyLists:
     """Per token, the slots of the keys it sees, in position order: kernels/cpu_attention.c reads them."""
     slots: torch.Tensor                    # [T, max_kv] int64 (the first `lens[t]` count)
     lens: torch.Tensor                     # [T] int64
+    starts: torch.Tensor                   # [B + 1] each request's first token (its tokens share its prefix)
+    shared: torch.Tensor                   # [B] prefix lengths: the leading keys all of a request's tokens see
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -72,7 +74,7 @@ class TorchAttentionBackend(AttentionBackend):
             # Decode: one query per request, which sees all its keys; only the padding needs masking
             # (always a mask, even when nothing is padded: a compiled forward then has one graph).
             if key_lists:
-                batch.attn = _KeyLists(kv_index, kv_len)
+                batch.attn = _KeyLists(kv_index, kv_len, torch.arange(B + 1, device=device), kv_len)
                 return
             mask = (key_pos[None, :] < kv_len[:, None])[:, None, None, :]
             batch.attn = _Metadata(kv_index, mask, None, None, 1, self._buffers(kv_index))
@@ -91,7 +93,9 @@ class TorchAttentionBackend(AttentionBackend):
         valid = q_pos[None, :] < new[:, None]                                        # [B, max_new]
         unpad_index = (torch.arange(B, device=device)[:, None] * max_new + q_pos[None, :])[valid]
         if key_lists:
-            batch.attn = _key_lists(kv_index, mask.view(B * max_new, max_kv)[unpad_index], unpad_index // max_new)
+            slots, lens = _key_lists(kv_index, mask.view(B * max_new, max_kv)[unpad_index], unpad_index // max_new)
+            starts = torch.cat([new.new_zeros(1), new.cumsum(0)])
+            batch.attn = _KeyLists(slots, lens, starts, prefix)
             return
         mask[:, :, 0] |= ~valid                 # padded query rows attend somewhere finite; dropped after
         offsets = new.cumsum(0) - new
@@ -114,7 +118,8 @@ class TorchAttentionBackend(AttentionBackend):
         self.kv_pool.store(layer, batch.out_slots, k, v)
         meta = batch.attn
         if isinstance(meta, _KeyLists):
-            return cpu_attention.attend(q, self.kv_pool.k[layer], self.kv_pool.v[layer], meta.slots, meta.lens, scale)
+            return cpu_attention.attend(q, self.kv_pool.k[layer], self.kv_pool.v[layer], meta.slots, meta.lens, scale,
+                                        meta.starts, meta.shared)
         B = meta.kv_index.shape[0]          # a tensor's size, not a list's length: symbolic when compiled
         T, H, D = q.shape
         if meta.max_new == 1:
@@ -137,11 +142,11 @@ class TorchAttentionBackend(AttentionBackend):
         return out.transpose(1, 2)
 
 
-def _key_lists(kv_index: torch.Tensor, seen: torch.Tensor, request: torch.Tensor) -> _KeyLists:
+def _key_lists(kv_index: torch.Tensor, seen: torch.Tensor, request: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's visible slots moved to the front of its row, in order: the slots of request
-    `request[t]`'s keys kv_index that `seen[t]` [T, max_kv] marks."""
+    `request[t]`'s keys kv_index that `seen[t]` [T, max_kv] marks; and their counts."""
     T, max_kv = seen.shape
     column = torch.where(seen, seen.cumsum(1) - 1, max_kv)       # hidden keys go to a dropped last column
     slots = torch.zeros((T, max_kv + 1), dtype=torch.long, device=seen.device)
     slots.scatter_(1, column, kv_index[request])
-    return _KeyLists(slots[:, :max_kv].contiguous(), seen.sum(1))
+    return slots[:, :max_kv].contiguous(), seen.sum(1)
