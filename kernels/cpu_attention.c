@@ -8,7 +8,8 @@
  * exactly even where bf16 or int8 rounding downstream would amplify a last-bit difference.
  *
  * Arithmetic is fp32 whatever the storage (fp32 or bf16): scores by 16-lane dot products reduced in a
- * fixed tree, a two-pass softmax, values accumulated key after key and divided by the sum at the end.
+ * fixed tree, a two-pass softmax (its sum in 16 lanes, reduced the same way), values accumulated key
+ * after key and divided by the sum at the end.
  * A request's tokens (a verified tree) share its prefix: those keys are read once for all of them,
  * which changes the order of nothing a single token computes.
  */
@@ -19,6 +20,7 @@
 
 #define LANES 16
 #define MAX_HEAD_DIM 512
+#define BLOCK 16           /* value rows summed per pass */
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -116,10 +118,31 @@ typedef struct {
     float scale;
 } Problem;
 
+/* max(s[:n]), 16 lanes at a time (a maximum is the same in any order). */
+static inline float max_of(const float *s, int64_t n) {
+    float lane[LANES];
+    for (int l = 0; l < LANES; l++) lane[l] = -INFINITY;
+    for (int64_t j = 0; j < n; j += LANES)
+        for (int l = 0; l < LANES && j + l < n; l++) lane[l] = s[j + l] > lane[l] ? s[j + l] : lane[l];
+    float top = lane[0];
+    for (int l = 1; l < LANES; l++) top = lane[l] > top ? lane[l] : top;
+    return top;
+}
+
+/* sum(s[:n]): lane l sums s[l], s[l + 16], ... in order, then reduce16; fixed for a given n. */
+static inline float sum_of(const float *s, int64_t n) {
+    v16f acc = {0};
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES) acc += load16(s + j);
+    float tail[LANES] = {0};
+    memcpy(tail, s + j, (size_t)(n - j) * sizeof(float));
+    return reduce16(acc + load16(tail));
+}
+
 /* Scores of query rows [r0, r1) (row r: token r / G, head h * G + r % G) against keys [j0, j1) of
  * `slots`, four keys at a time: the same operations per score whatever the range. */
 static void score_keys(const Problem *P, int h, const float *qf, int r0, int r1, const int64_t *slots,
-                       int64_t j0, int64_t j1, float *scores, float rows[4][MAX_HEAD_DIM]) {
+                       int64_t j0, int64_t j1, float *scores, float rows[BLOCK][MAX_HEAD_DIM]) {
     const int D = P->D;
     int64_t j = j0;
     for (; j + 4 <= j1; j += 4) {
@@ -137,16 +160,23 @@ static void score_keys(const Problem *P, int h, const float *qf, int r0, int r1,
     }
 }
 
-/* acc[r] += p[r][j] * v[j] for rows [r0, r1), keys [j0, j1) in order. */
+/* acc[r] += p[r][j] * v[j] for rows [r0, r1), keys [j0, j1) in order: BLOCK keys at a time, each
+ * 16 lanes of a row's sums kept in a register across the block. */
 static void sum_values(const Problem *P, int h, const float *scores, int r0, int r1, const int64_t *slots,
-                       int64_t j0, int64_t j1, float *acc, float *row) {
+                       int64_t j0, int64_t j1, float *acc, float rows[BLOCK][MAX_HEAD_DIM]) {
     const int D = P->D;
-    for (int64_t j = j0; j < j1; j++) {
-        const float *v = row_of(P->v_pool, P->bf16, slots[j] * P->Hkv + h, D, row);
+    for (int64_t j = j0; j < j1; j += BLOCK) {
+        const int m = j1 - j < BLOCK ? (int)(j1 - j) : BLOCK;
+        const float *v[BLOCK];
+        for (int i = 0; i < m; i++) v[i] = row_of(P->v_pool, P->bf16, slots[j + i] * P->Hkv + h, D, rows[i]);
         for (int r = r0; r < r1; r++) {
-            const float p = scores[r * P->max_kv + j];
+            const float *p = scores + r * P->max_kv + j;
             float *a = acc + (int64_t)r * D;
-            for (int d = 0; d < D; d++) a[d] += p * v[d];
+            for (int d = 0; d < D; d += LANES) {
+                v16f sum = load16(a + d);
+                for (int i = 0; i < m; i++) sum += p[i] * load16(v[i] + d);
+                memcpy(a + d, &sum, sizeof sum);
+            }
         }
     }
 }
@@ -154,7 +184,7 @@ static void sum_values(const Problem *P, int h, const float *scores, int r0, int
 /* Tokens [t0, t1), which all see their first `shared` keys (the same slots), with KV head h: those keys
  * are read once for all of them. Scratch: scores [rows, max_kv], qf and acc [rows, D], sums [rows]. */
 static void attend_item(const Problem *P, int64_t t0, int64_t t1, int64_t shared, int h, float *scores,
-                        float *qf, float *acc, float *sums, float rows[4][MAX_HEAD_DIM]) {
+                        float *qf, float *acc, float *sums, float rows[BLOCK][MAX_HEAD_DIM]) {
     const int D = P->D, G = P->G, R = (int)(t1 - t0) * G;
     for (int r = 0; r < R; r++) {
         const int64_t t = t0 + r / G;
@@ -168,16 +198,15 @@ static void attend_item(const Problem *P, int64_t t0, int64_t t1, int64_t shared
     memset(acc, 0, (size_t)R * D * sizeof(float));
     for (int r = 0; r < R; r++) {
         const int64_t n = P->kv_len[t0 + r / G];
-        float *s = scores + (int64_t)r * P->max_kv, top = -INFINITY, sum = 0.0f;
-        for (int64_t j = 0; j < n; j++) top = s[j] > top ? s[j] : top;
+        float *s = scores + (int64_t)r * P->max_kv;
+        const float top = max_of(s, n);
         for (int64_t j = 0; j < n; j++) s[j] = exp_nonpositive(s[j] - top);
-        for (int64_t j = 0; j < n; j++) sum += s[j];
-        sums[r] = sum;
+        sums[r] = sum_of(s, n);
     }
-    sum_values(P, h, scores, 0, R, P->kv_index + t0 * P->max_kv, 0, shared, acc, rows[0]);
+    sum_values(P, h, scores, 0, R, P->kv_index + t0 * P->max_kv, 0, shared, acc, rows);
     for (int64_t t = t0; t < t1; t++)
         sum_values(P, h, scores, (int)(t - t0) * G, (int)(t - t0 + 1) * G, P->kv_index + t * P->max_kv, shared,
-                   P->kv_len[t], acc, rows[0]);
+                   P->kv_len[t], acc, rows);
     for (int r = 0; r < R; r++) {
         const int64_t o = ((t0 + r / G) * P->H + (int64_t)h * G + r % G) * D;
         const float *a = acc + (int64_t)r * D, sum = sums[r];
@@ -220,7 +249,7 @@ int spec_attend(const void *q, const void *k_pool, const void *v_pool, void *out
         float *qf = malloc((size_t)R * D * sizeof(float));
         float *acc = malloc((size_t)R * D * sizeof(float));
         float *sums = malloc((size_t)R * sizeof(float));
-        float rows[4][MAX_HEAD_DIM];
+        float rows[BLOCK][MAX_HEAD_DIM];
         if (!scores || !qf || !acc || !sums) failed = 1;
 #pragma omp for schedule(dynamic)
         for (int64_t item = 0; item < items * Hkv; item++) {

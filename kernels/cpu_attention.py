@@ -25,7 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_attention.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _library: Optional[ctypes.CDLL] = None
 _failure: Optional[str] = None
