@@ -92,7 +92,7 @@ class Engine:
         sched, kv = self._scheduler, self._kv
         cached = kv.cached()
         snap = {**sched.stats,
-                "num_running_reqs": len(sched.running) + (sched.prefilling is not None),
+                "num_running_reqs": len(sched.requests) - len(sched.waiting),
                 "num_waiting_reqs": len(sched.waiting),
                 "kv_tokens_total": kv.capacity,
                 "kv_tokens_cached": cached,

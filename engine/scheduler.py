@@ -112,7 +112,8 @@ class Scheduler:
         requests join `running` when it is applied)."""
         held = list(self.waiting) + self.running + ([self.prefilling] if self.prefilling else [])
         in_flight = self._in_flight.step.reqs if self._in_flight is not None else []
-        return held + [r for r in in_flight if not r.finished and r not in held]
+        ids = {id(r) for r in held}
+        return held + [r for r in in_flight if not r.finished and id(r) not in ids]
 
     def abort(self, rid: str, message: str = "aborted by the client", status_code: Optional[int] = None
               ) -> Optional[Request]:
