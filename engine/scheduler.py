@@ -302,13 +302,13 @@ class Scheduler:
         except DistributedError:
             raise                               # no request is to blame: the engine cannot go on
         except Exception as exc:
-            items = [item for item in items if not _request(item).finished]
+            live = [item for item in items if not _request(item).finished]     # some may have been aborted
             if len(items) > 1:
                 log.warning("a step of %d requests failed (%s); running them one by one", len(items), exc)
-                return [req for item in items for req in self._isolating([item], run)]
-            if not items:
+                return [req for item in live for req in self._isolating([item], run)]
+            if not live:
                 return []
-            req = _request(items[0])
+            req = _request(live[0])
             log.exception("request %s failed; ending it", req.rid)
             self._fail(req, exc)
             return [req]

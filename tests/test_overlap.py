@@ -165,6 +165,33 @@ def test_an_abort_while_its_step_runs_gets_nothing_from_it(algo, target, tmp_pat
         off.generate(input_ids=prompts()[1], sampling_params=params)["output_ids"]
 
 
+def test_a_failed_step_whose_culprit_was_aborted_meanwhile(target, tmp_path, monkeypatch):
+    """A step of two requests fails because of one that the client aborts while the step runs: the
+    other is run again alone and finishes as in a clean run."""
+    off, on = engines(None, target, tmp_path)
+    params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+    clean = off.generate(input_ids=prompts()[0], sampling_params=params)["output_ids"]
+    good, bad = (on.make_request(p, SamplingParams.from_dict(params)) for p in prompts()[:2])
+    decode = on._scheduler.worker._decode
+
+    def failing(step):
+        if bad in step.reqs and bad.num_output >= 3:
+            raise RuntimeError("injected failure")
+        return decode(step)
+
+    monkeypatch.setattr(on._scheduler.worker, "_decode", failing)
+    on.add_request(good)
+    on.add_request(bad)
+    while bad.num_output < 3:
+        on.step()
+    on.abort(bad.rid)                               # its failing step is running
+    while on.has_work:
+        on.step()
+    assert bad.finish_reason.type == "abort" and bad.finish_reason.status_code is None
+    assert good.finish_reason.type == "length" and good.output_ids == clean
+    assert_all_kv_back(on)
+
+
 def test_server_streams_and_aborts_with_overlap(tmp_path):
     """Through the HTTP server: concurrent streams as the offline engine without overlap; a client that
     disconnects mid-stream is aborted (with its next step running) and its KV comes back."""
