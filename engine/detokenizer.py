@@ -19,10 +19,18 @@ class IncrementalDetokenizer:
             self.kwargs["spaces_between_special_tokens"] = False
         self.prefix_offset = start          # ids before `start` (a prompt) are never decoded
         self.read_offset = start
+        self.seen = start                   # len(ids) at the last call
+
+    def catch_up(self, ids: Sequence[int]) -> str:
+        """The text of the ids added since the last call, stepped one id at a time: the same text as a
+        call after each id (the overlap scheduler decodes a step's tokens after the fact)."""
+        end = len(ids)
+        return "".join(self.step(ids if n == end else ids[:n]) for n in range(self.seen + 1, end + 1))
 
     def step(self, ids: Sequence[int], final: bool = False) -> str:
         """The text that `ids` (all ids so far) adds since the last call; "" while a character is still
         incomplete, unless `final` (the request ended: flush what there is)."""
+        self.seen = len(ids)
         prefix_text = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset], **self.kwargs)
         full_text = self.tokenizer.decode(ids[self.prefix_offset:], **self.kwargs)
         if len(full_text) > len(prefix_text) and (final or not full_text.endswith("\ufffd")):

@@ -92,7 +92,7 @@ class Engine:
         sched, kv = self._scheduler, self._kv
         cached = kv.cached()
         snap = {**sched.stats,
-                "num_running_reqs": len(sched.running) + (sched.prefilling is not None),
+                "num_running_reqs": len(sched.requests) - len(sched.waiting),
                 "num_waiting_reqs": len(sched.waiting),
                 "kv_tokens_total": kv.capacity,
                 "kv_tokens_cached": cached,
@@ -114,6 +114,7 @@ class Engine:
             changes = {**changes, "speculative_algorithm": None, "speculative_draft_model_path": None,
                        "speculative_num_steps": None, "speculative_eagle_topk": None,
                        "speculative_num_draft_tokens": None}
+        self._scheduler.drain()        # a step still in flight (overlap scheduler) whose requests ended
         if self.has_work:
             raise ConfigError("set_speculative runs between requests only; finish or abort the running ones first.")
         from engine.build import build_worker, resolve_args
@@ -306,13 +307,14 @@ class Engine:
     def abort_all(self) -> None:
         """Abort anything still queued or running and release its KV memory."""
         sched = self._scheduler
-        for req in list(sched.waiting) + list(sched.running) + ([sched.prefilling] if sched.prefilling else []):
+        for req in sched.requests:
             sched.abort(req.rid)
         sched.step()
 
     def shutdown(self) -> None:
-        """abort_all, then stop the other tensor-parallel ranks: the engine is done."""
+        """abort_all, then stop the forward thread and the other tensor-parallel ranks: the engine is done."""
         self.abort_all()
+        self._scheduler.close()
         if self._tp:
             self._tp.stop()
 

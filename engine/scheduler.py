@@ -8,6 +8,13 @@ runs out of KV slots the cache is evicted first, then requests are retracted: th
 radix cache (or is freed) and they wait to resume, recomputing only what was evicted meanwhile. No
 request is dropped: one that cannot fit even alone is finished with an "abort" reason that says what
 to raise.
+
+With the overlap scheduler (--enable-overlap-schedule, SGLang's spec v2) a step's forward runs on a
+thread of its own and its result is applied at the next step(), before that step is scheduled; step()
+returns the previous step's requests while the forward just launched runs, so their text is decoded,
+and the caller streams them, meanwhile. Every step is scheduled from the same state as without it,
+so outputs are the same. A request that ends while its step runs (an abort) gets nothing from that
+step, and its KV, which the forward may be reading, is released once the step is back.
 """
 
 from __future__ import annotations
@@ -15,7 +22,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Optional, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import torch
 
 from engine.config import ServerArgs
 from engine.detokenizer import IncrementalDetokenizer
@@ -36,6 +46,15 @@ _RESERVE_TOKENS = 8
 _MAX_OVERTAKEN = 16
 
 
+class _InFlight(NamedTuple):
+    """A step launched on the forward thread (overlap scheduler), to apply at the next step()."""
+    items: list                                 # what it was built from (prefill plan or requests)
+    step: object                                # its PrefillStep or DecodeStep
+    result: Future                              # the worker's StepResult
+    apply: Callable                             # apply(step, result) -> the requests it touched
+    run: Callable                               # items -> touched: build, forward and apply, now
+
+
 class Scheduler:
     def __init__(self, args: ServerArgs, kv: KVManager, worker: Worker, tokenizer, eos_ids: Sequence[int],
                  context_len: int, max_running: int, device: str):
@@ -52,6 +71,10 @@ class Scheduler:
         self.prefilling: Optional[Request] = None   # a request part-way through a chunked prefill
         self.stats = {"retractions": 0, "cached_tokens": 0, "prefill_tokens": 0, "decode_steps": 0}
         self._finished_now: list[Request] = []
+        self._forwards = (ThreadPoolExecutor(1, thread_name_prefix="spec-forward")
+                          if args.enable_overlap_schedule else None)
+        self._in_flight: Optional[_InFlight] = None
+        self._release_later: list[Request] = []         # ended while their step ran
         self.set_worker(worker, args)
 
     def set_worker(self, worker: Worker, args: ServerArgs) -> None:
@@ -82,9 +105,18 @@ class Scheduler:
         """The tokens a request holds when done (for out-of-memory advice)."""
         return min(req.seq_len + req.remaining_tokens(), self.context_len)
 
+    @property
+    def requests(self) -> list[Request]:
+        """Every request not finished: waiting, running, or in a step in flight (a prefill's, whose
+        requests join `running` when it is applied)."""
+        held = list(self.waiting) + self.running + ([self.prefilling] if self.prefilling else [])
+        in_flight = self._in_flight.step.reqs if self._in_flight is not None else []
+        ids = {id(r) for r in held}
+        return held + [r for r in in_flight if not r.finished and id(r) not in ids]
+
     def abort(self, rid: str, message: str = "aborted by the client", status_code: Optional[int] = None
               ) -> Optional[Request]:
-        for req in list(self.waiting) + self.running + ([self.prefilling] if self.prefilling else []):
+        for req in self.requests:
             if req.rid == rid:
                 self._finish(req, FinishReason("abort", message=message, status_code=status_code))
                 return req
@@ -92,18 +124,19 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling)
+        return bool(self.waiting or self.running or self.prefilling or self._in_flight is not None)
 
     def step(self) -> list[Request]:
         """Run one forward's worth of work; return the requests that got tokens or finished (including
-        those finished between steps: aborted, or refused at admission)."""
+        those finished between steps: aborted, or refused at admission). Overlap scheduler: apply the
+        step in flight, launch the next, and return the applied step's requests."""
+        touched = self.drain()
         scheduled = self._schedule_prefill()
         if scheduled:
-            touched = self._run_prefill(scheduled)
+            touched += self._run_prefill(scheduled)
         elif self.running:
-            touched = self._run_decode()
-        else:
-            touched = []
+            touched += self._run_decode()
+        self._decode_text(touched)          # overlap scheduler: while the step just launched runs
         seen = {id(r) for r in touched}
         out = touched + [r for r in self._finished_now if id(r) not in seen]
         self._finished_now = []
@@ -115,6 +148,9 @@ class Scheduler:
         return sum(self.worker.slots_per_request + min(r.remaining_tokens(), _RESERVE_TOKENS) for r in reqs)
 
     def _release_kv(self, req: Request) -> None:
+        if self._in_flight is not None:     # the forward may be reading its KV and drafter state
+            self._release_later.append(req)
+            return
         self.worker.release(req)        # first: a drafter may clear state kept by the request's table row
         self.kv.release(req)
 
@@ -175,19 +211,23 @@ class Scheduler:
         return reqs
 
     def _run_prefill(self, plan: list[tuple[Request, int]]) -> list[Request]:
-        return self._isolating(plan, self._prefill)
+        return self._run(plan, self._prefill_step, self._apply_prefill)
 
-    def _prefill(self, plan: list[tuple[Request, int]]) -> list[Request]:
-        reqs, lens = [r for r, _ in plan], [n for _, n in plan]
-        step = PrefillStep(reqs, lens, self.kv.alloc(sum(lens)))
-        done = [r for i, r in enumerate(reqs) if step.completes(i)]
-        result = self._forward(step)
-        self.kv.commit(reqs, lens, step.slots)
-        self.stats["prefill_tokens"] += sum(lens)
-        self._keep_captured(reqs, result)
-        for req, tokens, logprobs in zip(reqs, result.tokens, result.logprobs or [None] * len(reqs)):
-            if tokens and not self._append(req, tokens, logprobs):
-                self.running.append(req)
+    def _prefill_step(self, plan: list[tuple[Request, int]]) -> PrefillStep:
+        lens = [n for _, n in plan]
+        return PrefillStep([r for r, _ in plan], lens, self.kv.alloc(sum(lens)))
+
+    def _apply_prefill(self, step: PrefillStep, result: StepResult) -> list[Request]:
+        live = [not r.finished for r in step.reqs]
+        done = [r for i, r in enumerate(step.reqs) if live[i] and step.completes(i)]
+        self._commit(step, step.lens, torch.tensor(live).repeat_interleave(torch.tensor(step.lens)), live)
+        self.stats["prefill_tokens"] += sum(step.lens)
+        logprobs = result.logprobs or [None] * len(step.reqs)
+        for i, req in enumerate(step.reqs):
+            if live[i]:
+                self._keep_captured(req, result, i)
+                if result.tokens[i] and not self._append(req, result.tokens[i], logprobs[i]):
+                    self.running.append(req)
         return done
 
     # ------------------------------------------------------------------ decode
@@ -205,33 +245,69 @@ class Scheduler:
                 return []
             else:
                 self._retract(self._victim())
-        return self._isolating(list(self.running), self._decode)
+        return self._run(list(self.running), self._decode_step, self._apply_decode)
 
-    def _decode(self, reqs: list[Request]) -> list[Request]:
+    def _decode_step(self, reqs: list[Request]) -> DecodeStep:
         per_req = self.worker.slots_per_request
-        step = DecodeStep(reqs, self.kv.alloc(per_req * len(reqs)).view(len(reqs), per_req))
-        self._apply_decode(step, self._forward(step))
-        return reqs
+        return DecodeStep(reqs, self.kv.alloc(per_req * len(reqs)).view(len(reqs), per_req))
 
-    def _forward(self, step) -> StepResult:
+    # ------------------------------------------------------------------ running a step
+    def _run(self, items: list, build: Callable, apply: Callable) -> list[Request]:
+        """Build the step of `items`, run its forward, apply the result; return the requests it touched.
+        Overlap scheduler: launch the forward and return; drain() applies it."""
+        def run(items: list) -> list[Request]:
+            step = build(items)
+            return apply(step, self._forward(step))
+
+        if self._forwards is None:
+            return self._isolating(items, run)
+        step = build(items)
+        self._in_flight = _InFlight(items, step, self._forwards.submit(self.worker.forward, step), apply, run)
+        return []
+
+    def close(self) -> None:
+        """Stop the forward thread (overlap scheduler), after applying the step in flight."""
+        if self._forwards is not None:
+            self.drain()
+            self._forwards.shutdown()
+
+    def drain(self) -> list[Request]:
+        """Overlap scheduler: wait for the step in flight and apply it, launching none; return the
+        requests it touched. Requests that ended meanwhile get nothing from it; their KV is released now."""
+        if self._in_flight is None:
+            return []
+        items, step, result, apply, run = self._in_flight
+        self._in_flight = None
         try:
-            return self.worker.forward(step)
+            return self._isolating(items, run, first=lambda _: apply(step, self._forward(step, result)))
+        finally:
+            for req in self._release_later:
+                self._release_kv(req)
+            self._release_later.clear()
+
+    def _forward(self, step, launched: Optional[Future] = None) -> StepResult:
+        try:
+            return launched.result() if launched is not None else self.worker.forward(step)
         except Exception:
             self.kv.free(step.slots.flatten())      # nothing of the step was committed
             raise
 
-    def _isolating(self, items: list, run) -> list[Request]:
-        """run(items) -> the requests it touched. When a step fails, its requests run one by one: the
-        one that fails alone ends with an error (500) and the others go on as if nothing happened."""
+    def _isolating(self, items: list, run: Callable, first: Optional[Callable] = None) -> list[Request]:
+        """(first or run)(items) -> the requests it touched. When a step fails, its requests that have
+        not ended run one by one: the one that fails alone ends with an error (500) and the others go on
+        as if nothing happened."""
         try:
-            return run(items)
+            return (first or run)(items)
         except DistributedError:
             raise                               # no request is to blame: the engine cannot go on
         except Exception as exc:
+            live = [item for item in items if not _request(item).finished]     # some may have been aborted
             if len(items) > 1:
                 log.warning("a step of %d requests failed (%s); running them one by one", len(items), exc)
-                return [req for item in items for req in self._isolating([item], run)]
-            req = items[0][0] if isinstance(items[0], tuple) else items[0]
+                return [req for item in live for req in self._isolating([item], run)]
+            if not live:
+                return []
+            req = _request(live[0])
             log.exception("request %s failed; ending it", req.rid)
             self._fail(req, exc)
             return [req]
@@ -240,24 +316,32 @@ class Scheduler:
         self._finish(req, FinishReason("abort", status_code=500, message=(
             f"internal error while generating ({type(exc).__name__}); see the server log")))
 
-    def _apply_decode(self, step: DecodeStep, result: StepResult) -> None:
-        slots, kept = step.slots, result.kept.to(step.slots.device)
-        self.kv.commit(step.reqs, result.counts, slots[kept])
-        self.kv.free(slots[~kept])          # rollback: rejected nodes and draft scratch
+    def _apply_decode(self, step: DecodeStep, result: StepResult) -> list[Request]:
+        live = [not r.finished for r in step.reqs]
+        self._commit(step, result.counts, result.kept.to(step.slots.device) & torch.tensor(live)[:, None], live)
         self.stats["decode_steps"] += 1
-        if result.drafts is not None:
-            for req, drafts in zip(step.reqs, result.drafts):
+        logprobs = result.logprobs or [None] * len(step.reqs)
+        for i, req in enumerate(step.reqs):
+            if not live[i]:
+                continue
+            if result.drafts is not None:
                 req.spec_verify_ct += 1
-                req.spec_accepted_tokens += drafts
-                self.spec_stats.record(drafts)
-        self._keep_captured(step.reqs, result)
-        for req, tokens, logprobs in zip(step.reqs, result.tokens, result.logprobs or [None] * len(step.reqs)):
-            self._append(req, tokens, logprobs)     # a request that finishes leaves self.running
+                req.spec_accepted_tokens += result.drafts[i]
+                self.spec_stats.record(result.drafts[i])
+            self._keep_captured(req, result, i)
+            self._append(req, result.tokens[i], logprobs[i])     # a request that finishes leaves self.running
+        return [r for r, ok in zip(step.reqs, live) if ok]
 
-    def _keep_captured(self, reqs: Sequence[Request], result: StepResult) -> None:
+    def _commit(self, step, counts: Sequence[int], kept: torch.Tensor, live: Sequence[bool]) -> None:
+        """Commit counts[i] tokens of each live request, their KV at the `kept` slots (in step.slots'
+        order), and free the step's other slots: rejected nodes, draft scratch, and all of a request
+        that ended while its step ran (rollback)."""
+        self.kv.commit(step.reqs, [n if ok else 0 for n, ok in zip(counts, live)], step.slots[kept])
+        self.kv.free(step.slots[~kept])
+
+    def _keep_captured(self, req: Request, result: StepResult, i: int) -> None:
         if result.captured is not None:
-            for req, states in zip(reqs, result.captured):
-                req.captured.append(states)
+            req.captured.append(result.captured[i])
 
     def _victim(self) -> Request:
         # The request that has generated least loses least work (SGLang's choice too).
@@ -286,7 +370,8 @@ class Scheduler:
                     req.output_logprobs.append(logprobs[i])
                 if req.first_token_time is None:
                     req.first_token_time = time.perf_counter()
-                req.text += req.detok.step(req.token_ids)
+                if req.params.stop:             # searched in the text: decoded token by token, now
+                    req.text += req.detok.catch_up(req.token_ids)
                 if req.grammar is not None and not req.grammar.accept_token(tok):
                     # Masks allow only what the grammar accepts: this is a bug, not the client's doing.
                     raise RuntimeError(f"the grammar refused committed token {tok}")
@@ -329,6 +414,7 @@ class Scheduler:
             self.prefilling = None
         self._release_kv(req)
         try:
+            req.text += req.detok.catch_up(req.token_ids)
             req.text += req.detok.step(req.token_ids, final=True)
         except Exception:                   # a detokenizer that failed once: keep the text so far
             log.exception("request %s: the last text could not be decoded", req.rid)
@@ -338,3 +424,19 @@ class Scheduler:
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
         self._finished_now.append(req)
+
+    def _decode_text(self, reqs: Sequence[Request]) -> None:
+        """The text of the tokens _append left undecoded (requests without stop strings), once per step.
+        Overlap scheduler: while the next step's forward runs. A failure ends that request alone."""
+        for req in reqs:
+            if not req.finished:
+                try:
+                    req.text += req.detok.catch_up(req.token_ids)
+                except Exception as exc:
+                    log.exception("request %s failed after its step; ending it", req.rid)
+                    self._fail(req, exc)
+
+
+def _request(item) -> Request:
+    """The request of a step item: a request, or a prefill plan's (request, tokens)."""
+    return item[0] if isinstance(item, tuple) else item

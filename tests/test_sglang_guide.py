@@ -1,6 +1,6 @@
 """SGLang's speculative decoding guide, as a user would translate it: each `python3 -m sglang.launch_server`
-command line becomes `spec serve` with the same flags (tiny random models stand in for the hub ids;
-`--tp` is left out, one device), parses, resolves against its model and runs."""
+command line becomes `spec serve` with the same flags and environment (tiny random models stand in for the
+hub ids; `--tp` is left out, one device), parses, resolves against its model and runs."""
 
 from __future__ import annotations
 
@@ -49,6 +49,11 @@ GUIDE = {
                    "--speculative-draft-model-path Qwen/Qwen2.5-1.5B-Instruct --speculative-num-steps 4 "
                    "--speculative-eagle-topk 2 --speculative-num-draft-tokens 7 --mem-fraction-static 0.7 "
                    "--cuda-graph-max-bs 8 --log-level warning", "STANDALONE", (4, 2, 7)),
+    # Run with SGLANG_ENABLE_SPEC_V2=True (the overlap scheduler), as the guide writes it.
+    "spec-v2-standalone": ("--model Qwen/Qwen2.5-7B-Instruct --speculative-algorithm STANDALONE "
+                           "--speculative-draft-model-path Qwen/Qwen2.5-1.5B-Instruct --speculative-num-steps 4 "
+                           "--speculative-eagle-topk 1 --speculative-num-draft-tokens 5 --mem-fraction-static 0.7 "
+                           "--cuda-graph-max-bs 8 --log-level warning", "STANDALONE", (4, 1, 5)),
     "ngram": ("--model Qwen/Qwen2.5-7B-Instruct --speculative-algorithm NGRAM --speculative-num-draft-tokens 16 "
               "--speculative-ngram-max-match-window-size 12 --speculative-ngram-max-bfs-breadth 10 "
               "--mem-fraction-static 0.7 --cuda-graph-max-bs 8 --log-level warning", "NGRAM", (15, 10, 16)),
@@ -90,8 +95,10 @@ def fr_spec_map(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", GUIDE)
-def test_guide_command_lines_parse_resolve_and_run(name, hub, served, fr_spec_map):
+def test_guide_command_lines_parse_resolve_and_run(name, hub, served, fr_spec_map, monkeypatch):
     line, algorithm, tree = GUIDE[name]
+    if name.startswith("spec-v2"):
+        monkeypatch.setenv("SGLANG_ENABLE_SPEC_V2", "True")
     args = shlex.split(line)
     result = CliRunner().invoke(app, ["serve", *(str(hub.get(a, a)) for a in args)], prog_name="spec")
     assert result.exit_code == 0, result.output
@@ -99,6 +106,7 @@ def test_guide_command_lines_parse_resolve_and_run(name, hub, served, fr_spec_ma
     config = load_config(parsed.model_path, parsed.trust_remote_code)
     resolved = resolve_args(parsed, config)
     assert (resolved.speculative_algorithm, resolved.speculative_tree) == (algorithm, tree)
+    assert parsed.enable_overlap_schedule == name.startswith("spec-v2")
     # The guide's memory flags size a GPU; a small pool runs the same configuration here.
     eng = Engine(server_args=dataclasses.replace(parsed, max_total_tokens=2048))
     out = eng.generate(input_ids=list(range(10, 30)),
