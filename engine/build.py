@@ -138,7 +138,8 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     eos = eos_token_ids(model_dir, config, tokenizer)
     try:    # the target's K/V buffers, then the draft's (with its drafter)
         pool = KVPool(layers, slots, heads, head_dim, dtype, device)
-        runner = ModelRunner(target, pool, create_backend(args.attention_backend, device, pool))
+        runner = ModelRunner(target, pool, create_backend(args.attention_backend, device, pool,
+                                                          args.enable_deterministic_inference))
         worker = build_worker(args, runner, kv, eos, draft)
     except torch.OutOfMemoryError:
         raise budget.allocation_failed(device_memory(device)[0]) from None

@@ -110,6 +110,12 @@ class ServerArgs:
         "that read the cache in place (decode, extend and tree verification), on a CUDA GPU; needed for "
         "CUDA graphs. flashinfer: accepted as SGLang spells it, refused until it lands. auto: torch.",
         group="Memory and scheduling", choices=("auto", "torch", "triton", "flashinfer")))
+    enable_deterministic_inference: bool = field(default=False, metadata=opt(
+        "Batch-invariant prefill too (SGLang's flag; CPU): prompts attend through the same fixed-order kernel "
+        "as decode steps, so an output no longer depends on what else was batched, how the prompt was "
+        "chunked or how much of it was cached: greedy output under load equals the prompt run alone. Costs "
+        "prefill speed on long prompts (the kernel has no GEMMs). Decode steps are batch-invariant always.",
+        group="Memory and scheduling"))
     num_threads: Optional[int] = field(default=None, metadata=opt(
         "CPU threads for torch. Default: torch's choice (all cores).", group="Memory and scheduling"))
     enable_overlap_schedule: bool = field(default=False, metadata=opt(

@@ -125,3 +125,38 @@ def test_gathers_when_the_kernel_cannot_be_built(monkeypatch):
     backend.prepare(batch)
     assert not isinstance(batch.attn, torch_backend._KeyLists)
     torch.testing.assert_close(backend.forward(q, k, v, 0, batch, D ** -0.5), attend(Gathering, batch, q, k, v))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_prefill_uses_key_lists_only_with_deterministic_inference(deterministic):
+    backend = TorchAttentionBackend(pool_with_values(), batch_invariant_prefill=deterministic)
+    batch, *_ = random_batch(0, [20, 0, 7], 9)
+    backend.prepare(batch)
+    assert isinstance(batch.attn, torch_backend._KeyLists) is deterministic
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deterministic_prefill_gives_a_prompt_the_same_bits_chunked_or_whole(dtype):
+    """--enable-deterministic-inference: a prompt of 12 tokens prefilled whole beside another request,
+    and alone in chunks of 5, 4 and 3 over what the earlier chunks cached: the same bits per token."""
+    pool = pool_with_values(dtype=dtype)
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(12, H, D, generator=g).to(dtype)
+    k, v = torch.randn(12, HKV, D, generator=g).to(dtype), torch.randn(12, HKV, D, generator=g).to(dtype)
+    slots = torch.arange(100, 112)
+    table = torch.zeros((2, 64), dtype=torch.long)
+    table[0, :12] = slots
+    other = torch.randn(30, H, D, generator=g).to(dtype)
+    backend = TorchAttentionBackend(pool, batch_invariant_prefill=True)
+    whole = make_batch(table, [0, 1], [0, 0], torch.zeros(42, dtype=torch.long), torch.cat([slots, torch.arange(300, 330)]),
+                       [12, 30])
+    backend.prepare(whole)
+    kk, vv = torch.cat([k, other[:, :HKV]]), torch.cat([v, other[:, :HKV]])
+    together = backend.forward(torch.cat([q, other]), kk, vv, 0, whole, D ** -0.5)[:12]
+    start = 0
+    for n in (5, 4, 3):
+        chunk = make_batch(table, [0], [start], torch.zeros(n, dtype=torch.long), slots[start:start + n], [n])
+        backend.prepare(chunk)
+        out = backend.forward(q[start:start + n], k[start:start + n], v[start:start + n], 0, chunk, D ** -0.5)
+        assert torch.equal(out, together[start:start + n]), start
+        start += n

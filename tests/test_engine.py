@@ -19,7 +19,8 @@ def llama_dir(tmp_path_factory):
 
 
 def engine(model_dir, **kw) -> Engine:
-    return Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=kw.pop("max_total_tokens", 4096), **kw)
+    return Engine(model_path=str(model_dir), dtype=kw.pop("dtype", "float32"), max_total_tokens=kw.pop("max_total_tokens", 4096),
+                  **kw)
 
 
 def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
@@ -61,6 +62,29 @@ def test_batch_equals_one_by_one(llama_dir):
     batched = [o["output_ids"] for o in eng.generate(input_ids=ps, sampling_params=GREEDY)]
     single = [engine(llama_dir, disable_radix_cache=True).generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in ps]
     assert batched == single
+
+
+def test_deterministic_inference_gives_bf16_outputs_alone_equal_to_batched_and_chunked(llama_dir):
+    """--enable-deterministic-inference: prompts batched together, prefilled in chunks of 7 and partly
+    cached, produce the hidden states, hence the tokens, of each prompt run alone in one piece."""
+    ps = prompts(6, seed=12, lo=20, hi=40)
+    batched_eng = engine(llama_dir, dtype="bfloat16", enable_deterministic_inference=True, chunked_prefill_size=7)
+    batched_eng.generate(input_ids=ps[0][:15], sampling_params=GREEDY)     # a cached prefix for the first
+    batched = batched_eng.generate(input_ids=ps, sampling_params=GREEDY, return_logprob=True)
+    alone_eng = engine(llama_dir, dtype="bfloat16", enable_deterministic_inference=True, disable_radix_cache=True)
+    for p, b in zip(ps, batched):
+        a = alone_eng.generate(input_ids=p, sampling_params=GREEDY, return_logprob=True)
+        assert a["output_ids"] == b["output_ids"]
+        assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
+
+
+@pytest.mark.parametrize("flags", [{"attention_backend": "triton"}, {"device": "cuda"}])
+def test_deterministic_inference_is_refused_where_it_cannot_act(flags):
+    from engine.attention import check_deterministic
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="enable-deterministic-inference"):
+        check_deterministic(flags.get("attention_backend", "torch"), flags.get("device", "cpu"))
 
 
 def test_radix_hit_gives_same_output(llama_dir):

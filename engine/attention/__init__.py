@@ -8,12 +8,15 @@ from engine.attention.base import AttentionBackend
 from engine.errors import ConfigError
 
 
-def create_backend(name: str, device: str, kv_pool) -> AttentionBackend:
-    """The backend `name` over one model's K/V buffers (a draft model gets its own)."""
+def create_backend(name: str, device: str, kv_pool, deterministic: bool = False) -> AttentionBackend:
+    """The backend `name` over one model's K/V buffers (a draft model gets its own); `deterministic`
+    (--enable-deterministic-inference): prefill batch-invariant too."""
+    if deterministic:
+        check_deterministic(name, device)
     if name in ("auto", "torch"):
         from engine.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend(kv_pool)
+        return TorchAttentionBackend(kv_pool, batch_invariant_prefill=deterministic)
     if name == "triton":
         check_triton(device)
         from engine.attention.triton_backend import TritonAttentionBackend
@@ -33,3 +36,15 @@ def check_triton(device: str) -> None:
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("--attention-backend triton runs on a CUDA GPU; on a CPU use --attention-backend torch "
                           "(TRITON_INTERPRET=1 runs the kernels in Triton's interpreter, for checking only).")
+
+
+def check_deterministic(name: str, device: str) -> None:
+    """--enable-deterministic-inference runs on the CPU kernel of the torch backend, which must build."""
+    from spec_kernels import cpu_attention
+
+    if device != "cpu" or name not in ("auto", "torch"):
+        raise ConfigError("--enable-deterministic-inference is implemented for the CPU's torch attention backend "
+                          "(kernels/cpu_attention.c); on a GPU or with another --attention-backend leave it out.")
+    if cpu_attention.library() is None:
+        raise ConfigError(f"--enable-deterministic-inference needs the CPU attention kernel, which could not be "
+                          f"built: {cpu_attention.failure()}. Install a C compiler (gcc) or set CC.")

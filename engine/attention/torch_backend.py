@@ -51,8 +51,8 @@ class _KeyLists:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self, kv_pool: KVPool):
-        self.kv_pool = kv_pool
+    def __init__(self, kv_pool: KVPool, batch_invariant_prefill: bool = False):
+        self.kv_pool, self.batch_invariant_prefill = kv_pool, batch_invariant_prefill
 
     def prepare(self, batch: ForwardBatch) -> None:
         B, device = batch.batch_size, batch.table.device
@@ -109,9 +109,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def uses_key_lists(self, batch: ForwardBatch, max_new: int) -> bool:
         """Whether this forward attends through kernels/cpu_attention.c: on a CPU, in decode steps
-        (decode and tree verification alike, so that they agree bit for bit) and one-token forwards."""
+        (decode and tree verification alike, so that they agree bit for bit), one-token forwards, and
+        prefill too with --enable-deterministic-inference."""
         pool = self.kv_pool.k[0]
-        return ((batch.decode_step or max_new == 1) and cpu_attention.supports(pool.dtype, pool.device, pool.shape[-1])
+        wanted = batch.decode_step or max_new == 1 or self.batch_invariant_prefill
+        return (wanted and cpu_attention.supports(pool.dtype, pool.device, pool.shape[-1])
                 and cpu_attention.library() is not None)
 
     def forward(self, q, k, v, layer, batch, scale):
