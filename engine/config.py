@@ -106,7 +106,7 @@ class ServerArgs:
     attention_backend: str = field(default="auto", metadata=opt(
         "Attention kernels. torch: SDPA over the paged cache, CPU and GPU (on a CPU, decode and verify steps "
         "use a batch-invariant C kernel reading the cache in place instead, so that speculative output "
-        "equals plain decoding's bit for bit; built on first use). triton: paged-attention kernels "
+        "equals plain decoding's bit for bit; built at start-up). triton: paged-attention kernels "
         "that read the cache in place (decode, extend and tree verification), on a CUDA GPU; needed for "
         "CUDA graphs. flashinfer: accepted as SGLang spells it, refused until it lands. auto: torch.",
         group="Memory and scheduling", choices=("auto", "torch", "triton", "flashinfer")))

@@ -1,8 +1,9 @@
 """Batch-invariant paged attention on the CPU: kernels/cpu_attention.c, built once per machine.
 
-The C source is compiled on first use with the system's C compiler (the one torch.compile needs too)
-for this CPU (-march=native), into ~/.cache/spec/kernels (SPEC_KERNEL_CACHE overrides), keyed by the
-source, the compiler and the CPU's flags; it takes about a second, and later starts load the library.
+The C source is compiled when first needed (the torch backend's start-up) with the system's C
+compiler (the one torch.compile needs too) for this CPU (-march=native), into ~/.cache/spec/kernels
+(SPEC_KERNEL_CACHE overrides), keyed by the source, the compiler and the CPU's flags; it takes about a
+second, and later starts load the library.
 No torch headers: it is called through ctypes with the tensors' pointers. Where the library cannot be
 built (no compiler) `library()` returns None, says why once, and callers use their own attention.
 """
@@ -78,7 +79,9 @@ def library() -> Optional[ctypes.CDLL]:
                 _library = _build()
             except (OSError, RuntimeError) as e:
                 _failure = str(e)
-                log.warning("batch-invariant CPU attention unavailable: %s", e)
+                log.warning("batch-invariant CPU attention unavailable (%s): decode steps use SDPA, and with bf16 or "
+                            "int8 activations speculative output can then differ from plain decoding's; install a "
+                            "C compiler (gcc) or set CC", e)
         return _library
 
 

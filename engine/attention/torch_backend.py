@@ -54,6 +54,8 @@ class _KeyLists:
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, kv_pool: KVPool, batch_invariant_prefill: bool = False):
         self.kv_pool, self.batch_invariant_prefill = kv_pool, batch_invariant_prefill
+        if kv_pool.k[0].device.type == "cpu":
+            cpu_attention.library()     # built (or loaded) at start-up, not in the first request
 
     def prepare(self, batch: ForwardBatch) -> None:
         B, device = batch.batch_size, batch.table.device
