@@ -233,7 +233,7 @@ int spec_attend(const void *q, const void *k_pool, const void *v_pool, void *out
     per = per < 1 ? 1 : per > 8 ? 8 : per;
     int64_t items = 0;
     for (int64_t i = 0; i < groups; i++) items += (starts[i + 1] - starts[i] + per - 1) / per;
-    int64_t *first = malloc((size_t)(items + 1) * sizeof(int64_t)), *group = malloc((size_t)items * sizeof(int64_t));
+    int64_t *first = malloc((size_t)items * sizeof(int64_t)), *group = malloc((size_t)items * sizeof(int64_t));
     if (!first || !group) {
         free(first);
         free(group);

@@ -108,12 +108,10 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index
         shared = kv_len
     if torch.compiler.is_compiling():
         return torch.ops.spec.cpu_attention(q, k_pool, v_pool, kv_index, kv_len, starts, shared, scale)
-    return _attend(q, k_pool, v_pool, kv_index, kv_len, starts, shared, scale)
+    return _run(q, k_pool, v_pool, kv_index, kv_len, starts, shared, scale)
 
 
-@torch.library.custom_op("spec::cpu_attention", mutates_args=())
-def _attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
-            kv_len: torch.Tensor, starts: torch.Tensor, shared: torch.Tensor, scale: float) -> torch.Tensor:
+def _run(q, k_pool, v_pool, kv_index, kv_len, starts, shared, scale: float) -> torch.Tensor:
     lib = library()
     if lib is None:
         raise RuntimeError(f"batch-invariant CPU attention unavailable: {_failure}")
@@ -131,7 +129,14 @@ def _attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_inde
     return out
 
 
-@_attend.register_fake
+# Eager calls go to _run directly: through the dispatcher a call cost ~8 us more, 30 times a step.
+@torch.library.custom_op("spec::cpu_attention", mutates_args=())
+def _op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
+        kv_len: torch.Tensor, starts: torch.Tensor, shared: torch.Tensor, scale: float) -> torch.Tensor:
+    return _run(q, k_pool, v_pool, kv_index, kv_len, starts, shared, scale)
+
+
+@_op.register_fake
 def _(q, k_pool, v_pool, kv_index, kv_len, starts, shared, scale):
     return torch.empty_like(q)
 
