@@ -65,14 +65,15 @@ class ServerArgs:
         "checkpoints where the CPU has native bf16 (AMX, AVX-512-BF16), float32 otherwise.",
         choices=("auto", "float32", "bfloat16", "float16")))
     quantization: str = field(default="auto", metadata=opt(
-        "Weight format on the CPU. w8a8_int8: int8 weights (one scale per row) and int8 activations (one "
-        "scale per token) in oneDNN's int8 GEMM, decoder layers and lm_head; a verify forward of 8 tokens "
-        "costs about what 1 does. int4: weight-only groups of 32 (a GGUF's Q4_0/Q4_1/Q4_K layers exactly "
-        "as stored), fastest for one token, several times slower for 8. none: the checkpoint's own weights. "
-        "auto: for a GGUF file on the CPU (unless --dtype float32 asks for the exact dequantized reference) "
-        "w8a8_int8 where the MLP projections have 2M weights or more, int4 below (per-call costs dominate "
-        "there); none otherwise.",
-        choices=("auto", "none", "int4", "w8a8_int8")))
+        "Weight format on the CPU. w4a8: 4-bit weight groups of 32 (a GGUF's Q4_0/Q4_1/Q4_K layers as stored, "
+        "scales in fp16) times int8 activations in spec's VNNI kernel, other layers and lm_head as w8a8_int8; "
+        "fastest for 1 token, and 8 cost under 2x. w8a8_int8: int8 weights (one scale per row) and int8 "
+        "activations (one scale per token) in oneDNN's int8 GEMM, decoder layers and lm_head; 8 tokens cost "
+        "about what 1 does. int4: weight-only groups of 32 in torch's kernel, several times slower for 8 "
+        "tokens. none: the checkpoint's own weights. auto: for a GGUF file on the CPU (unless --dtype "
+        "float32 asks for the exact dequantized reference) w4a8 where the CPU has AVX-512 VNNI; elsewhere "
+        "w8a8_int8 where the MLP projections have 2M weights or more, int4 below; none otherwise.",
+        choices=("auto", "none", "int4", "w8a8_int8", "w4a8")))
     device: str = field(default="auto", metadata=opt(
         "Where to run: auto picks cuda when available, else cpu.", choices=("auto", "cpu", "cuda")))
     context_length: Optional[int] = field(default=None, metadata=opt(
@@ -159,7 +160,7 @@ class ServerArgs:
     speculative_draft_model_quantization: str = field(default="auto", metadata=opt(
         "Weight format of the draft model's layers, as --quantization (auto: the target's rule for a GGUF "
         "STANDALONE draft on the CPU; EAGLE/EAGLE3/MTP heads are quantized only when a format is named).",
-        group="Speculative decoding", choices=("auto", "none", "int4", "w8a8_int8")))
+        group="Speculative decoding", choices=("auto", "none", "int4", "w8a8_int8", "w4a8")))
     speculative_attention_mode: str = field(default="prefill", metadata=opt(
         "How the target attends over the draft tree: prefill (one extend pass per request, a tree mask) or "
         "decode (every tree node a decode row reading its path; what CUDA graphs capture). Same tokens.",

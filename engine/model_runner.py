@@ -47,22 +47,31 @@ def resolve_dtype(name: str, config, device: str, quantized: bool = False) -> to
 # stream at ~25 GB/s here: below about this many weights per MLP projection the fixed cost dominates
 # and int4 decodes faster (SmolLM2-135M: 0.9M, 81 against 47 tokens/s), above it int8 reads win and its
 # flat cost over rows makes verification nearly free (Qwen2.5-1.5B: 13.8M, 11.4 against 8.1 tokens/s).
+# Both only where our w4a8 kernel has no VNNI path (it beats both at every size where it does).
 _W8A8_MIN_WEIGHTS = 2_000_000
 
 
 def resolve_quantization(name: str, model_dir, device: str, dtype: str, config=None) -> Optional[str]:
-    """What --quantization (or the draft's) means for this model: "w8a8_int8", "int4", or None. auto:
-    a GGUF (its converted directory keeps its 4-bit groups) on the CPU, unless float32 is asked for,
-    in the format that decodes it faster (see _W8A8_MIN_WEIGHTS)."""
+    """What --quantization (or the draft's) means for this model: a kind of engine/models/quant.py, or
+    None. auto: a GGUF (its converted directory keeps its 4-bit groups) on the CPU, unless float32 is
+    asked for: w4a8 where its kernel runs on VNNI, else the format that decodes it faster (see
+    _W8A8_MIN_WEIGHTS)."""
     from engine.loader.gguf_convert import int4_groups
+    from engine.models.quant import KINDS
+    from spec_kernels import cpu_w4a8
 
-    if name in ("int4", "w8a8_int8"):
+    if name in KINDS:
         if device != "cpu":
-            raise ConfigError(f"--quantization {name} runs on the CPU only so far (torch's CPU int8/int4 kernels); "
+            raise ConfigError(f"--quantization {name} runs on the CPU only so far (CPU int8/int4 kernels); "
                               "on a GPU leave it out.")
+        if name == "w4a8" and cpu_w4a8.library() is None:
+            raise ConfigError(f"--quantization w4a8 needs its C kernel, which could not be built: "
+                              f"{cpu_w4a8.failure()}. Install a C compiler (gcc) or set CC, or pick int4 or w8a8_int8.")
         return name
     if name != "auto" or device != "cpu" or dtype == "float32" or int4_groups(model_dir) is None:
         return None
+    if cpu_w4a8.kernel_name() == "avx512-vnni":
+        return "w4a8"
     size = getattr(config, "hidden_size", 0) * getattr(config, "intermediate_size", 0)
     return "w8a8_int8" if size >= _W8A8_MIN_WEIGHTS and torch.backends.mkldnn.is_available() else "int4"
 
@@ -78,7 +87,8 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
     from engine.distributed.sharding import local_config, local_groups
     from engine.loader import iter_weights
     from engine.loader.gguf_convert import int4_groups
-    from engine.models.quant import install_gguf_groups, quantize_while_loading, release_freed_memory
+    from engine.models.quant import (BESIDE_GROUPS, FROM_GROUPS, install_gguf_groups, quantize_while_loading,
+                                     release_freed_memory)
 
     cls = model_class(config, str(model_dir))
     # Built on the meta device: a float model initialised in full would be resident before loading
@@ -89,9 +99,10 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
     model.config = config
     model.to(dtype)
     materialize(model, device)
-    groups = int4_groups(model_dir) if quantization == "int4" else None
-    provided = install_gguf_groups(model, local_groups(groups)) if groups else set()
-    sinks = quantize_while_loading(model, quantization) if quantization else {}
+    groups = int4_groups(model_dir) if quantization in FROM_GROUPS else None
+    provided = install_gguf_groups(model, local_groups(groups), quantization) if groups else set()
+    sinks = quantize_while_loading(model, BESIDE_GROUPS[quantization] if groups else quantization) \
+        if quantization else {}
     try:
         model.load_weights(iter_weights(model_dir, select=lambda name: name not in provided), sinks)
     except KeyError as exc:

@@ -18,25 +18,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define LANES 16
 #define MAX_HEAD_DIM 512
 #define BLOCK 16           /* value rows summed per pass */
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch converts (NaN stays NaN). */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* Row `i` of `n` floats: a pointer into fp32 storage, or converted from bf16 into `buf`. */
 static inline const float *row_of(const void *base, int bf16, int64_t i, int n, float *buf) {

@@ -241,7 +241,7 @@ def train_eagle3(
                                                      help="Tokens generated per --eval-prompts prompt.")] = 128,
     device: Device = "auto",
     dtype: Dtype = "auto",
-    quantization: Annotated[Literal["auto", "none", "int4", "w8a8_int8"], typer.Option(
+    quantization: Annotated[Literal["auto", "none", "int4", "w8a8_int8", "w4a8"], typer.Option(
         "--quantization", rich_help_panel=GEN,
         help="The target's weight format while generating, as spec serve --quantization (auto: as spec serve picks "
              "it, so the head learns the target it will be served with). For a 4-bit GGUF on a CPU with native "

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from spec_kernels import cpu_attention
+from spec_kernels.native import Kernel
 
 
 def case(seed: int, T: int, H: int, Hkv: int, D: int, dtype: torch.dtype, slots: int = 700):
@@ -49,7 +50,6 @@ def test_a_token_gets_the_same_bits_alone_or_among_others_and_whatever_the_threa
 def test_without_a_compiler_the_library_is_none_with_the_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv("SPEC_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_attention, "_library", None)
-    monkeypatch.setattr(cpu_attention, "_failure", None)
-    assert cpu_attention.library() is None
-    assert "/nonexistent/cc" in cpu_attention.failure()
+    kernel = Kernel("cpu_attention.c", cpu_attention._declare, "unavailable: %s")
+    assert kernel.library() is None
+    assert "/nonexistent/cc" in kernel.failure()

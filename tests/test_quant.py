@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from engine.loader import gguf_quant
-from engine.models.quant import Int4Linear, Int8Embedding, W8A8Linear, quantize_rows
+from engine.models.quant import Int4Linear, Int8Embedding, W4A8Linear, W8A8Linear, quantize_rows
+from spec_kernels import cpu_w4a8
 from tests.test_loader import gguf_tokenizer, tiny_llama, write_tiny_gguf
 from tests.test_speculative_lossless import ALGOS, draft_setup, prompts as lossless_prompts
 from tests.tiny import make_model, tiny_engine
@@ -57,7 +58,7 @@ def test_int4_linear_computes_with_its_groups():
     assert (linear(x) - expected).abs().max() < 1e-2 * expected.abs().max()
 
 
-@pytest.mark.parametrize("cls, tolerance", [(Int4Linear, 0.1), (W8A8Linear, 0.03)])
+@pytest.mark.parametrize("cls, tolerance", [(Int4Linear, 0.1), (W8A8Linear, 0.03), (W4A8Linear, 0.1)])
 def test_quantized_linear_approximates_the_float_one(cls, tolerance):
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(96, 256, generator=g) * 0.05, torch.randn(5, 256, generator=g)
@@ -65,7 +66,7 @@ def test_quantized_linear_approximates_the_float_one(cls, tolerance):
     assert (cls.quantize(w, None)(x) - expected).abs().max() < tolerance * expected.abs().max()
 
 
-@pytest.mark.parametrize("cls", [Int4Linear, W8A8Linear])
+@pytest.mark.parametrize("cls", [Int4Linear, W8A8Linear, W4A8Linear])
 def test_a_row_does_not_depend_on_the_rows_beside_it(cls):
     g = torch.Generator().manual_seed(1)
     linear = cls.quantize(torch.randn(64, 128, generator=g), None)
@@ -109,7 +110,7 @@ def target(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("target"), "llama", seed=3)
 
 
-@pytest.mark.parametrize("kind", ["int4", "w8a8_int8"])
+@pytest.mark.parametrize("kind", ["int4", "w8a8_int8", "w4a8"])
 @pytest.mark.parametrize("algo", ALGOS)
 def test_speculation_is_lossless_on_quantized_weights(kind, algo, target, tmp_path):
     prompts = lossless_prompts()         # a repetitive one among them: drafts get accepted
@@ -125,9 +126,10 @@ def test_speculation_is_lossless_on_quantized_weights(kind, algo, target, tmp_pa
 
 def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     """Q4_0 and Q4_1 layers (and a Q8_0 one): the converted directory keeps their groups bit-exactly
-    (renamed and permuted as the dequantized copies); by default a model this small is served as int4,
-    the 4-bit layers from their own groups, with w8a8_int8 every decoder layer and the head as int8,
-    with --dtype float32 the exact dequantized reference; the three agree on the logits closely."""
+    (renamed and permuted as the dequantized copies); by default served as w4a8 (int4 without VNNI),
+    the 4-bit layers from their own groups, the Q8_0 one as w8a8_int8; with w8a8_int8 every decoder
+    layer and the head as int8, with --dtype float32 the exact dequantized reference; all agree on the
+    logits closely."""
     from engine import Engine
     from engine.forward_batch import make_batch
     from engine.loader import convert_gguf, iter_weights
@@ -148,10 +150,15 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     assert groups("model.layers.0.mlp.down_proj.weight") is None
 
     engines = {kw: Engine(model_path=str(path), max_total_tokens=2048, **dict([kw])) for kw in
-               (("quantization", "auto"), ("quantization", "w8a8_int8"), ("dtype", "float32"))}
+               (("quantization", "auto"), ("quantization", "w8a8_int8"), ("quantization", "w4a8"),
+                ("quantization", "int4"), ("dtype", "float32"))}
     kinds = {kw: {type(m).__name__ for m in e._target.model.modules()} for kw, e in engines.items()}
-    int4_layer = engines[("quantization", "auto")]._target.model.model.layers[0]
+    auto = "w4a8" if cpu_w4a8.kernel_name() == "avx512-vnni" else "int4"
+    assert kinds[("quantization", "auto")] == kinds[("quantization", auto)]
+    int4_layer = engines[("quantization", "int4")]._target.model.model.layers[0]
     assert type(int4_layer.self_attn.qkv_proj).__name__ == type(int4_layer.mlp.down_proj).__name__ == "Int4Linear"
+    w4a8_layer = engines[("quantization", "w4a8")]._target.model.model.layers[0]
+    assert isinstance(w4a8_layer.self_attn.qkv_proj, W4A8Linear) and isinstance(w4a8_layer.mlp.down_proj, W8A8Linear)
     assert "W8A8Linear" in kinds[("quantization", "w8a8_int8")]
     assert engines[("quantization", "w8a8_int8")]._target.model.quant_head is not None
     assert "Int8Embedding" in kinds[("quantization", "w8a8_int8")]
@@ -164,5 +171,5 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
         with torch.inference_mode():
             logits[kw] = runner.forward(batch, all_logits=True).logits.float()
     reference = logits[("dtype", "float32")]
-    for kw in (("quantization", "auto"), ("quantization", "w8a8_int8")):
+    for kw in engines:
         assert (logits[kw] - reference).abs().max() < 0.05 * reference.abs().max(), kw

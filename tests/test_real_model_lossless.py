@@ -1,7 +1,7 @@
 """Lossless on a real model (slow: needs the fetched SmolLM2-135M GGUF): NGRAM's greedy output is plain
 decoding's token for token, four requests batched, over two turns (the second reusing the first's
-cached KV), in dense float32 and with the CPU's quantized weights (int4 with bf16 activations where
-the CPU has them, and w8a8_int8). That holds only because decode steps attend through the
+cached KV), in dense float32 and with the CPU's quantized weights (the default: w4a8 on a CPU with
+VNNI, else int4 with bf16 activations where the CPU has them; and int4, w8a8_int8 named). That holds only because decode steps attend through the
 batch-invariant kernel (kernels/cpu_attention.c) and the radix cache keeps the same positions in both
 modes: with bf16 or int8 activations, any last-bit difference between a verify and a decode forward
 grows into a different token (14 of 16 MT-Bench answers differed before)."""
@@ -36,8 +36,9 @@ def two_turns(eng: Engine) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weights", [{"dtype": "float32"}, {}, {"quantization": "w8a8_int8"}],
-                         ids=["float32", "cpu-default", "w8a8_int8"])
+@pytest.mark.parametrize("weights", [{"dtype": "float32"}, {}, {"quantization": "int4"},
+                                     {"quantization": "w8a8_int8"}],
+                         ids=["float32", "cpu-default", "int4", "w8a8_int8"])
 def test_ngram_greedy_equals_plain_on_smollm2(weights):
     path = models_dir() / "smollm2-135m" / KNOWN_MODELS["smollm2-135m"].filename
     if not path.is_file():

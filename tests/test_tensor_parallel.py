@@ -19,6 +19,7 @@ import pytest
 
 from engine import Engine
 from engine.errors import ConfigError, DistributedError
+from spec_kernels import cpu_w4a8
 from tests import eagle_checkpoints as ckpt
 from tests.test_speculative_lossless import ALGOS, GREEDY, draft_setup, prompts
 from tests.tiny import make_model
@@ -94,7 +95,10 @@ def test_exact_drafts_are_accepted_as_on_one_process(algo, tmp_path):
     assert accepted[0] == accepted[1] == pytest.approx(4.0, abs=0.2)
 
 
-@pytest.mark.parametrize("kind", ["int4", "w8a8_int8"])
+CLASSES = {"int4": "Int4Linear", "w8a8_int8": "W8A8Linear", "w4a8": "W4A8Linear"}
+
+
+@pytest.mark.parametrize("kind", ["int4", "w8a8_int8", "w4a8"])
 def test_quantized_weights_are_quantized_after_sharding(kind, target):
     """Each rank quantizes its block (int4's partial sums come out of the kernel in bf16; w8a8_int8 scales
     each rank's slice of a row-parallel input on its own), so the logprobs agree with one process's to
@@ -104,14 +108,15 @@ def test_quantized_weights_are_quantized_after_sharding(kind, target):
                 top_logprobs_num=5)
     with engine(target, quantization=kind) as one, engine(target, tp=2, quantization=kind) as two:
         layer = two._target.model.model.layers[0]
-        assert type(layer.mlp.down_proj).__name__ == type(layer.self_attn.qkv_proj).__name__ == {"int4": "Int4Linear", "w8a8_int8": "W8A8Linear"}[kind]
+        assert type(layer.mlp.down_proj).__name__ == type(layer.self_attn.qkv_proj).__name__ == CLASSES[kind]
         for got, want in zip(two.generate(**args), one.generate(**args)):
             top, ref = got["meta_info"]["output_top_logprobs"][0], want["meta_info"]["output_top_logprobs"][0]
             assert [v for v, _, _ in top] == pytest.approx([v for v, _, _ in ref], abs={"int4": 0.05}.get(kind, 0.1))
 
 
 def test_gguf_4bit_groups_are_cut_by_rank(tmp_path, monkeypatch):
-    """A GGUF's own 4-bit layers, served sharded: every rank's block of them stays int4."""
+    """A GGUF's own 4-bit layers, served sharded: every rank's block of them stays 4-bit (w4a8, or int4
+    without VNNI)."""
     from tests.test_loader import gguf_tokenizer, tiny_llama, write_tiny_gguf
 
     monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
@@ -127,7 +132,7 @@ def test_gguf_4bit_groups_are_cut_by_rank(tmp_path, monkeypatch):
         layer = two._target.model.model.layers[1]
         kinds = {type(m).__name__ for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                                             layer.mlp.down_proj)}
-        assert kinds == {"Int4Linear"}
+        assert kinds == {CLASSES["w4a8" if cpu_w4a8.kernel_name() == "avx512-vnni" else "int4"]}
         top, ref = (e.generate(**args)["meta_info"]["output_top_logprobs"][0] for e in (two, one))
     assert [v for v, _, _ in top] == pytest.approx([v for v, _, _ in ref], abs=0.05)
 

@@ -64,7 +64,7 @@ def load_draft(args: ServerArgs, target: nn.Module, target_dir, dtype: torch.dty
         model = load_mtp_draft(draft_dir, target, own=own, num_layers=layers, **kw)
     else:
         model = load_eagle_draft(algorithm, draft_dir, target, **kw)
-    if args.speculative_draft_model_quantization in ("int4", "w8a8_int8"):
+    if args.speculative_draft_model_quantization not in ("auto", "none"):
         from engine.model_runner import resolve_quantization
         from engine.models.quant import quantize_loaded
 

@@ -1,0 +1,191 @@
+/* Linear layers with 4-bit weights and 8-bit activations on the CPU (kernels/cpu_w4a8.py builds and
+ * calls it): y = x W^T (+ bias), W [N, K] in groups of 32 weights along K, w = q * scale + min with q in
+ * 0..15 (GGUF's Q4_0, Q4_1 and Q4_K blocks are this form), scale and min stored as fp16.
+ *
+ * Each activation row is quantized to int8 in the same groups of 32 (one scale per group, symmetric,
+ * as llama.cpp's Q8 blocks), so a group's dot product is an exact integer sum of q * x8, taken by
+ * VNNI's u8 x s8 instruction where the CPU has it:
+ *   y[m, n] = sum over groups g, in order, of  scale[n, g] * dx[m, g] * sum_i q[n, g, i] x8[m, g, i]
+ *                                            + min[n, g] * sx[m, g]
+ * with sx[m, g] = dx[m, g] * sum_i x8[m, g, i]. Weights are unpacked once per call for up to 8 rows
+ * (a verify's 8 rows cost little more than 1 row's), and a row's result is a fixed sequence of
+ * operations on that row alone: it does not depend on the other rows of the call or on threads, which
+ * speculative decoding's losslessness rests on.
+ *
+ * Weight layout (kernels/cpu_w4a8.py packs it): rows in blocks of 16 (N padded), per block and group
+ * 4 chunks of 64 bytes; byte 4 n + i of chunk c holds q[n][4 c + i] in its low nibble and
+ * q[n][16 + 4 c + i] in its high one, so that one chunk gives two vectors of 16 rows x 4 weights, the
+ * shape of one VNNI instruction against 4 activation bytes broadcast. Scales and mins: [blocks][G][16].
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define GROUP 32
+#define MR 8               /* activation rows per pass over a block of weights */
+#define NB 16              /* weight rows per block */
+
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);
+    else if (exp != 0) u = sign | ((exp + 112) << 23) | (man << 13);
+    else if (man == 0) u = sign;
+    else {                                  /* subnormal: normalise */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400u));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+#endif
+}
+
+/* One activation row -> int8 groups: x8 [K], dx [G] (group scale), sx [G] (dx * sum of the group). */
+static void quantize_row(const void *x, int bf16, int K, int8_t *x8, float *dx, float *sx) {
+    float v[GROUP];
+    for (int g = 0; g < K / GROUP; g++) {
+        float amax = 0.0f;
+        for (int i = 0; i < GROUP; i++) {
+            v[i] = bf16 ? bf16_to_float(((const uint16_t *)x)[g * GROUP + i]) : ((const float *)x)[g * GROUP + i];
+            float a = fabsf(v[i]);
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < GROUP; i++) {
+            int q = (int)nearbyintf(v[i] * inv);
+            x8[g * GROUP + i] = (int8_t)q;
+            sum += q;
+        }
+        dx[g] = d;
+        sx[g] = d * (float)sum;
+    }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KERNEL "avx512-vnni"
+/* acc[r] (16 rows of W) += rows r < ROWS of x8 (stride K) against one block of weights, group by group.
+ * Inlined with ROWS constant, so that the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void block_dot(
+        const uint8_t *w, const uint16_t *ws, const uint16_t *wm, int G, const int8_t *x8, int64_t K,
+        const float *dx, const float *sx, const int ROWS, float *out) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    __m512 acc[MR];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        __m512i q[8];
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(w + (int64_t)g * 256 + 64 * c));
+            q[c] = _mm512_and_si512(v, low4);
+            q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ws + g * 16)));
+        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + g * 16)));
+        for (int r = 0; r < ROWS; r++) {
+            const int8_t *a = x8 + r * K + g * GROUP;
+            __m512i s = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) {
+                int32_t quad;
+                memcpy(&quad, a + 4 * j, 4);
+                s = _mm512_dpbusd_epi32(s, q[j], _mm512_set1_epi32(quad));
+            }
+            const __m512 d = _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * G + g]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[r]);
+            acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[r * G + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+#else
+#define KERNEL "portable"
+static inline __attribute__((always_inline)) void block_dot(
+        const uint8_t *w, const uint16_t *ws, const uint16_t *wm, int G, const int8_t *x8, int64_t K,
+        const float *dx, const float *sx, const int ROWS, float *out) {
+    float acc[MR][NB] = {{0}};
+    for (int g = 0; g < G; g++) {
+        uint8_t q[8][64];
+        for (int c = 0; c < 4; c++)
+            for (int b = 0; b < 64; b++) {
+                const uint8_t v = w[(int64_t)g * 256 + 64 * c + b];
+                q[c][b] = v & 0x0f;
+                q[c + 4][b] = v >> 4;
+            }
+        for (int r = 0; r < ROWS; r++) {
+            const int8_t *a = x8 + r * K + g * GROUP;
+            int32_t s[NB] = {0};
+            for (int j = 0; j < 8; j++)
+                for (int n = 0; n < NB; n++)
+                    for (int i = 0; i < 4; i++) s[n] += (int32_t)q[j][4 * n + i] * a[4 * j + i];
+            for (int n = 0; n < NB; n++) {
+                const float d = half_to_float(ws[g * 16 + n]) * dx[r * G + g];
+                acc[r][n] = fmaf((float)s[n], d, acc[r][n]);
+                acc[r][n] = fmaf(half_to_float(wm[g * 16 + n]), sx[r * G + g], acc[r][n]);
+            }
+        }
+    }
+    memcpy(out, acc, sizeof(float) * NB * ROWS);
+}
+#endif
+
+const char *spec_w4a8_kernel(void) { return KERNEL; }
+
+/* x [M, K] (fp32, or bf16 when bf16), weights/scales/mins as described above for N rows (padded to
+ * blocks of 16), bias [N] fp32 or NULL -> out [M, N] in x's dtype. Returns 0, -1 when out of memory,
+ * -2 when K is not a multiple of 32. */
+int spec_w4a8_linear(const void *x, int bf16, int64_t M, int K, int64_t N, const uint8_t *weight,
+                     const uint16_t *scale, const uint16_t *low, const float *bias, void *out, int threads) {
+    if (K % GROUP != 0) return -2;
+    const int G = K / GROUP;
+    int8_t *x8 = malloc((size_t)M * K);
+    float *dx = malloc(sizeof(float) * M * G), *sx = malloc(sizeof(float) * M * G);
+    if (!x8 || !dx || !sx) {
+        free(x8), free(dx), free(sx);
+        return -1;
+    }
+    const size_t item = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(threads) schedule(static) if (M > 8)
+    for (int64_t m = 0; m < M; m++)
+        quantize_row((const char *)x + m * K * item, bf16, K, x8 + m * K, dx + m * G, sx + m * G);
+    const int64_t blocks = (N + NB - 1) / NB;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *w = weight + b * G * 256;
+        const uint16_t *ws = scale + b * G * NB, *wm = low + b * G * NB;
+        float y[MR * NB];
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int rows = M - m0 < MR ? (int)(M - m0) : MR;
+            const int8_t *a = x8 + m0 * K;
+            const float *d = dx + m0 * G, *s = sx + m0 * G;
+            switch (rows) {   /* one specialised copy per row count */
+            case 1: block_dot(w, ws, wm, G, a, K, d, s, 1, y); break;
+            case 2: block_dot(w, ws, wm, G, a, K, d, s, 2, y); break;
+            case 3: block_dot(w, ws, wm, G, a, K, d, s, 3, y); break;
+            case 4: block_dot(w, ws, wm, G, a, K, d, s, 4, y); break;
+            case 5: block_dot(w, ws, wm, G, a, K, d, s, 5, y); break;
+            case 6: block_dot(w, ws, wm, G, a, K, d, s, 6, y); break;
+            case 7: block_dot(w, ws, wm, G, a, K, d, s, 7, y); break;
+            default: block_dot(w, ws, wm, G, a, K, d, s, 8, y); break;
+            }
+            for (int r = 0; r < rows; r++)
+                for (int n = 0; n < NB && b * NB + n < N; n++) {
+                    float v = y[r * NB + n];
+                    if (bias) v += bias[b * NB + n];
+                    const int64_t at = (m0 + r) * N + b * NB + n;
+                    if (bf16) ((uint16_t *)out)[at] = float_to_bf16(v);
+                    else ((float *)out)[at] = v;
+                }
+        }
+    }
+    free(x8), free(dx), free(sx);
+    return 0;
+}

@@ -1,0 +1,113 @@
+"""4-bit weights x 8-bit activations on the CPU: kernels/cpu_w4a8.c, built once per machine
+(kernels/native.py) and called through ctypes in eager mode, as the opaque op spec::w4a8_linear
+inside a compiled model. `kernel_name()` says which instructions it runs on this CPU."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from spec_kernels.native import Kernel
+
+GROUP = 32
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    fn = library.spec_w4a8_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int64] + \
+        [ctypes.c_void_p] * 5 + [ctypes.c_int]
+    library.spec_w4a8_kernel.restype = ctypes.c_char_p
+
+
+_kernel = Kernel("cpu_w4a8.c", _declare,
+                 "the int4 x int8 CPU kernel is unavailable (%s): 4-bit weights run through torch's int4 kernel "
+                 "(slower, and an 8-token verify costs ~2x a step); install a C compiler (gcc) or set CC")
+library, failure = _kernel.library, _kernel.failure
+
+
+def kernel_name() -> Optional[str]:
+    lib = library()
+    return lib.spec_w4a8_kernel().decode() if lib is not None else None
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [N, K] (values 0..15, K a multiple of 32) and float scale/min [N, K / 32] -> the kernel's
+    layout (kernels/cpu_w4a8.c): uint8 [blocks, G, 4, 64] and fp16 scale/min [blocks, G, 16], rows
+    padded to blocks of 16 with zeros."""
+    N, K = q.shape
+    G, pad = K // GROUP, -N % 16
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad))
+    # [block, n, group, half, c, i] -> [block, group, c, n, i]: low nibble half 0, high nibble half 1
+    q = q.view(-1, 16, G, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
+    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t.float(), (0, 0, 0, pad)).view(-1, 16, G).transpose(1, 2).half().contiguous()
+
+    return packed, per_block(scale), per_block(low)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
+           bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+    """x [..., K] (fp32 or bf16) times packed weights (`pack`) of `out_features` rows, plus bias (fp32
+    [N] or None): [..., N] in x's dtype."""
+    if torch.compiler.is_compiling():
+        return torch.ops.spec.w4a8_linear(x, weight, scale, low, bias, out_features)
+    return _run(x, weight, scale, low, bias, out_features)
+
+
+def _run(x, weight, scale, low, bias, N: int) -> torch.Tensor:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"int4 x int8 CPU kernel unavailable: {failure()}")
+    K = weight.shape[1] * GROUP
+    rows = x.reshape(-1, K)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], N, dtype=x.dtype)
+    if rows.shape[0] == 0:
+        return out.view(*x.shape[:-1], N)
+    rc = lib.spec_w4a8_linear(rows.data_ptr(), int(x.dtype == torch.bfloat16), rows.shape[0], K, N,
+                              weight.data_ptr(), scale.data_ptr(), low.data_ptr(),
+                              bias.data_ptr() if bias is not None else None, out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError("w4a8_linear: out of memory" if rc == -1 else "w4a8_linear: K is not a multiple of 32")
+    return out.view(*x.shape[:-1], N)
+
+
+@torch.library.custom_op("spec::w4a8_linear", mutates_args=())
+def _op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
+        bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+    return _run(x, weight, scale, low, bias, out_features)
+
+
+@_op.register_fake
+def _(x, weight, scale, low, bias, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [M, K] -> (int8 values [M, K], group scales [M, K / 32]) as the kernel rounds them (tests)."""
+    g = x.float().reshape(x.shape[0], -1, GROUP)
+    amax = g.abs().amax(-1)
+    # torch.full(...) / amax, not 127.0 / amax: torch computes the latter as 127 * (1 / amax), which
+    # rounds differently from the kernel's division.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(g * inv[..., None])
+    return q.reshape(x.shape).to(torch.int8), amax / 127.0
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
+              bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The same product in float64 from unpacked q [N, K] and float scale/min (tests): the activations
+    rounded to int8 groups as the kernel does, everything after that exact."""
+    x8, dx = quantize_activations(x.reshape(-1, q.shape[1]))
+    xs = (x8.double().view(x8.shape[0], -1, GROUP) * dx.double()[..., None]).view(x8.shape)
+    w = (q.double().view(q.shape[0], -1, GROUP) * scale.double()[..., None] + low.double()[..., None]).view(q.shape)
+    y = xs @ w.t()
+    if bias is not None:
+        y = y + bias.double()
+    return y.view(*x.shape[:-1], q.shape[0])

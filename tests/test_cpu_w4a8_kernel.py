@@ -1,0 +1,68 @@
+"""The int4 x int8 CPU kernel (kernels/cpu_w4a8.c) against its float64 reference, its layout from
+GGUF groups, and a row's bits independent of the rows and threads beside it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.loader import gguf_quant
+from engine.models.quant import W4A8Linear
+from spec_kernels import cpu_w4a8
+
+pytestmark = pytest.mark.skipif(cpu_w4a8.library() is None, reason="no C compiler")
+
+
+def weights(n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale, low = torch.rand(n, k // 32, generator=g) * 0.01, -torch.rand(n, k // 32, generator=g) * 0.05
+    # fp16 is what the kernel keeps: the reference gets the same rounded values
+    return q, scale.half().float(), low.half().float()
+
+
+@pytest.mark.parametrize("n, k", [(16, 32), (40, 96), (96, 576)])     # rows padded to 16; odd group counts
+@pytest.mark.parametrize("rows", [1, 5, 8, 11])                        # one pass of 8 rows, and more
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_the_reference(n, k, rows, dtype):
+    q, scale, low = weights(n, k)
+    bias = torch.randn(n)
+    x = torch.randn(rows, k).to(dtype)
+    y = cpu_w4a8.linear(x, *cpu_w4a8.pack(q, scale, low), bias, n)
+    expected = cpu_w4a8.reference(x.float(), q, scale, low, bias)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    # fp32: the activations' int8 rounding is in the reference, so only float summation order remains
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -8
+    assert (y.double() - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+def test_rows_and_threads_do_not_change_a_rows_bits():
+    q, scale, low = weights(48, 256, seed=1)
+    packed = cpu_w4a8.pack(q, scale, low)
+    x = torch.randn(19, 256)
+    together = cpu_w4a8.linear(x, *packed, None, 48)
+    alone = torch.cat([cpu_w4a8.linear(x[i:i + 1], *packed, None, 48) for i in range(19)])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = cpu_w4a8.linear(x, *packed, None, 48)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, alone) and torch.equal(together, one_thread)
+    assert cpu_w4a8.linear(x[:0], *packed, None, 48).shape == (0, 48)
+
+
+def test_a_linear_from_gguf_groups_computes_with_them():
+    """Q4_1 blocks as a GGUF stores them -> W4A8Linear: its product is the dequantized weights' with
+    the activations rounded to int8 groups (fp16 scales are exact for Q4_1)."""
+    import gguf
+    import numpy as np
+
+    raw = gguf.quants.quantize(np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32),
+                               gguf.GGMLQuantizationType.Q4_1)
+    q, scale, low = gguf_quant.decode(raw, "Q4_1", 64)
+    scale, low = torch.from_numpy(scale), torch.from_numpy(low)
+    linear = W4A8Linear.from_groups(gguf_quant.pack(q), scale, low, None)
+    x = torch.randn(3, 128)
+    expected = cpu_w4a8.reference(x, torch.from_numpy(q), scale, low, None)
+    assert (linear(x).double() - expected).abs().max() <= 1e-5 * expected.abs().max()
