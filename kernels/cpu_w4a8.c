@@ -1,6 +1,7 @@
-/* Linear layers with 4-bit weights and 8-bit activations on the CPU (kernels/cpu_w4a8.py builds and
- * calls it): y = x W^T (+ bias), W [N, K] in groups of 32 weights along K, w = q * scale + min with q in
- * 0..15 (GGUF's Q4_0, Q4_1 and Q4_K blocks are this form), scale and min stored as fp16.
+/* Linear layers with 4- or 8-bit weights and 8-bit activations on the CPU (kernels/cpu_w4a8.py builds
+ * and calls it): y = x W^T (+ bias), W [N, K] in groups of 32 weights along K, w = q * scale + min with
+ * q in 0..15 (GGUF's Q4_0, Q4_1 and Q4_K blocks are this form) or in 0..255 (a symmetric int8 group,
+ * Q8_0's form, stored offset by 128 with min = -128 * scale), scale and min stored as fp16.
  *
  * Each activation row is quantized to int8 in the same groups of 32 (one scale per group, symmetric,
  * as llama.cpp's Q8 blocks), so a group's dot product is an exact integer sum of q * x8, taken by
@@ -13,9 +14,10 @@
  * speculative decoding's losslessness rests on.
  *
  * Weight layout (kernels/cpu_w4a8.py packs it): rows in blocks of 16 (N padded), per block and group
- * 4 chunks of 64 bytes; byte 4 n + i of chunk c holds q[n][4 c + i] in its low nibble and
- * q[n][16 + 4 c + i] in its high one, so that one chunk gives two vectors of 16 rows x 4 weights, the
- * shape of one VNNI instruction against 4 activation bytes broadcast. Scales and mins: [blocks][G][16].
+ * 8 vectors of 16 rows x 4 weights (byte 4 n + i of vector j is q[n][4 j + i]), the shape of one VNNI
+ * instruction against 4 activation bytes broadcast. 8-bit: the 8 vectors as they are (512 bytes);
+ * 4-bit: 4 chunks of 64 bytes, chunk c holding vector c in its low nibbles and vector c + 4 in its
+ * high ones (256 bytes). Scales and mins: [blocks][G][16].
  */
 #include <math.h>
 #include <stdint.h>
@@ -78,16 +80,22 @@ static void quantize_row(const void *x, int bf16, int K, int8_t *x8, float *dx, 
  * Inlined with ROWS constant, so that the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void block_dot(
         const uint8_t *w, const uint16_t *ws, const uint16_t *wm, int G, const int8_t *x8, int64_t K,
-        const float *dx, const float *sx, const int ROWS, float *out) {
+        const float *dx, const float *sx, const int BITS, const int ROWS, float *out) {
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     __m512 acc[MR];
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
         __m512i q[8];
+        const uint8_t *wg = w + (int64_t)g * 64 * BITS;
         for (int c = 0; c < 4; c++) {
-            const __m512i v = _mm512_loadu_si512((const void *)(w + (int64_t)g * 256 + 64 * c));
-            q[c] = _mm512_and_si512(v, low4);
-            q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            const __m512i v = _mm512_loadu_si512((const void *)(wg + 64 * c));
+            if (BITS == 8) {
+                q[c] = v;
+                q[c + 4] = _mm512_loadu_si512((const void *)(wg + 64 * (c + 4)));
+            } else {
+                q[c] = _mm512_and_si512(v, low4);
+                q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            }
         }
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ws + g * 16)));
         const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + g * 16)));
@@ -110,15 +118,15 @@ static inline __attribute__((always_inline)) void block_dot(
 #define KERNEL "portable"
 static inline __attribute__((always_inline)) void block_dot(
         const uint8_t *w, const uint16_t *ws, const uint16_t *wm, int G, const int8_t *x8, int64_t K,
-        const float *dx, const float *sx, const int ROWS, float *out) {
+        const float *dx, const float *sx, const int BITS, const int ROWS, float *out) {
     float acc[MR][NB] = {{0}};
     for (int g = 0; g < G; g++) {
         uint8_t q[8][64];
+        const uint8_t *wg = w + (int64_t)g * 64 * BITS;
         for (int c = 0; c < 4; c++)
             for (int b = 0; b < 64; b++) {
-                const uint8_t v = w[(int64_t)g * 256 + 64 * c + b];
-                q[c][b] = v & 0x0f;
-                q[c + 4][b] = v >> 4;
+                q[c][b] = BITS == 8 ? wg[64 * c + b] : wg[64 * c + b] & 0x0f;
+                q[c + 4][b] = BITS == 8 ? wg[64 * (c + 4) + b] : wg[64 * c + b] >> 4;
             }
         for (int r = 0; r < ROWS; r++) {
             const int8_t *a = x8 + r * K + g * GROUP;
@@ -139,10 +147,29 @@ static inline __attribute__((always_inline)) void block_dot(
 
 const char *spec_w4a8_kernel(void) { return KERNEL; }
 
-/* x [M, K] (fp32, or bf16 when bf16), weights/scales/mins as described above for N rows (padded to
- * blocks of 16), bias [N] fp32 or NULL -> out [M, N] in x's dtype. Returns 0, -1 when out of memory,
- * -2 when K is not a multiple of 32. */
-int spec_w4a8_linear(const void *x, int bf16, int64_t M, int K, int64_t N, const uint8_t *weight,
+/* One pass of `rows` activation rows over a block, with BITS and ROWS constant in each copy. */
+static void block_rows(const uint8_t *w, const uint16_t *ws, const uint16_t *wm, int G, const int8_t *a,
+                       int64_t K, const float *d, const float *s, int bits, int rows, float *y) {
+#define ROWS_CASES(BITS)                                                     \
+    switch (rows) {                                                          \
+    case 1: block_dot(w, ws, wm, G, a, K, d, s, BITS, 1, y); break;          \
+    case 2: block_dot(w, ws, wm, G, a, K, d, s, BITS, 2, y); break;          \
+    case 3: block_dot(w, ws, wm, G, a, K, d, s, BITS, 3, y); break;          \
+    case 4: block_dot(w, ws, wm, G, a, K, d, s, BITS, 4, y); break;          \
+    case 5: block_dot(w, ws, wm, G, a, K, d, s, BITS, 5, y); break;          \
+    case 6: block_dot(w, ws, wm, G, a, K, d, s, BITS, 6, y); break;          \
+    case 7: block_dot(w, ws, wm, G, a, K, d, s, BITS, 7, y); break;          \
+    default: block_dot(w, ws, wm, G, a, K, d, s, BITS, 8, y); break;         \
+    }
+    if (bits == 8) ROWS_CASES(8)
+    else ROWS_CASES(4)
+#undef ROWS_CASES
+}
+
+/* x [M, K] (fp32, or bf16 when bf16), `bits` (4 or 8) weights/scales/mins as described above for N
+ * rows (padded to blocks of 16), bias [N] fp32 or NULL -> out [M, N] in x's dtype. Returns 0, -1 when
+ * out of memory, -2 when K is not a multiple of 32. */
+int spec_w4a8_linear(const void *x, int bf16, int64_t M, int K, int64_t N, int bits, const uint8_t *weight,
                      const uint16_t *scale, const uint16_t *low, const float *bias, void *out, int threads) {
     if (K % GROUP != 0) return -2;
     const int G = K / GROUP;
@@ -159,23 +186,12 @@ int spec_w4a8_linear(const void *x, int bf16, int64_t M, int K, int64_t N, const
     const int64_t blocks = (N + NB - 1) / NB;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *w = weight + b * G * 256;
+        const uint8_t *w = weight + b * G * 64 * bits;
         const uint16_t *ws = scale + b * G * NB, *wm = low + b * G * NB;
         float y[MR * NB];
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int rows = M - m0 < MR ? (int)(M - m0) : MR;
-            const int8_t *a = x8 + m0 * K;
-            const float *d = dx + m0 * G, *s = sx + m0 * G;
-            switch (rows) {   /* one specialised copy per row count */
-            case 1: block_dot(w, ws, wm, G, a, K, d, s, 1, y); break;
-            case 2: block_dot(w, ws, wm, G, a, K, d, s, 2, y); break;
-            case 3: block_dot(w, ws, wm, G, a, K, d, s, 3, y); break;
-            case 4: block_dot(w, ws, wm, G, a, K, d, s, 4, y); break;
-            case 5: block_dot(w, ws, wm, G, a, K, d, s, 5, y); break;
-            case 6: block_dot(w, ws, wm, G, a, K, d, s, 6, y); break;
-            case 7: block_dot(w, ws, wm, G, a, K, d, s, 7, y); break;
-            default: block_dot(w, ws, wm, G, a, K, d, s, 8, y); break;
-            }
+            block_rows(w, ws, wm, G, x8 + m0 * K, K, dx + m0 * G, sx + m0 * G, bits, rows, y);
             for (int r = 0; r < rows; r++)
                 for (int n = 0; n < NB && b * NB + n < N; n++) {
                     float v = y[r * NB + n];

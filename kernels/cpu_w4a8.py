@@ -1,4 +1,4 @@
-"""4-bit weights x 8-bit activations on the CPU: kernels/cpu_w4a8.c, built once per machine
+"""4- or 8-bit weight groups x 8-bit activations on the CPU: kernels/cpu_w4a8.c, built once per machine
 (kernels/native.py) and called through ctypes in eager mode, as the opaque op spec::w4a8_linear
 inside a compiled model. `kernel_name()` says which instructions it runs on this CPU."""
 
@@ -17,7 +17,7 @@ GROUP = 32
 def _declare(library: ctypes.CDLL) -> None:
     fn = library.spec_w4a8_linear
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int64] + \
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int] + \
         [ctypes.c_void_p] * 5 + [ctypes.c_int]
     library.spec_w4a8_kernel.restype = ctypes.c_char_p
 
@@ -33,26 +33,38 @@ def kernel_name() -> Optional[str]:
     return lib.spec_w4a8_kernel().decode() if lib is not None else None
 
 
-def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [N, K] (values 0..15, K a multiple of 32) and float scale/min [N, K / 32] -> the kernel's
-    layout (kernels/cpu_w4a8.c): uint8 [blocks, G, 4, 64] and fp16 scale/min [blocks, G, 16], rows
-    padded to blocks of 16 with zeros."""
+def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int = 4
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [N, K] (values below 2**bits, K a multiple of 32) and float scale/min [N, K / 32] -> the
+    kernel's layout (kernels/cpu_w4a8.c): uint8 [blocks, G, 64 * bits / 16, 64] and fp16 scale/min
+    [blocks, G, 16], rows padded to blocks of 16 with zeros."""
     N, K = q.shape
     G, pad = K // GROUP, -N % 16
     q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad))
-    # [block, n, group, half, c, i] -> [block, group, c, n, i]: low nibble half 0, high nibble half 1
-    q = q.view(-1, 16, G, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
-    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
+    # [block, n, group, vector j, i] -> [block, group, j, n, i]
+    vectors = q.view(-1, 16, G, 8, 4).permute(0, 2, 3, 1, 4)
+    packed = vectors if bits == 8 else vectors[:, :, :4] | (vectors[:, :, 4:] << 4)
 
     def per_block(t: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.pad(t.float(), (0, 0, 0, pad)).view(-1, 16, G).transpose(1, 2).half().contiguous()
 
-    return packed, per_block(scale), per_block(low)
+    return packed.reshape(packed.shape[0], G, -1, 64).contiguous(), per_block(scale), per_block(low)
+
+
+def unpack(weight: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The float weights [N, K] the packed layout holds (q * scale + min, as the kernel computes them)."""
+    B, G = weight.shape[:2]
+    v = weight.view(B, G, -1, 16, 4)
+    if weight.shape[2] == 4:                                            # 4-bit: split the nibbles
+        v = torch.cat([v & 0x0F, v >> 4], 2)
+    q = v.permute(0, 3, 1, 2, 4).reshape(B * 16, G, GROUP).float()
+    per_row = (lambda t: t.transpose(1, 2).reshape(B * 16, G, 1).float())
+    return (q * per_row(scale) + per_row(low)).view(B * 16, -1)[:out_features]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
            bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
-    """x [..., K] (fp32 or bf16) times packed weights (`pack`) of `out_features` rows, plus bias (fp32
+    """x [..., K] (fp32 or bf16) times packed weights (`pack`, 4 or 8 bits) of `out_features` rows, plus bias (fp32
     [N] or None): [..., N] in x's dtype."""
     if torch.compiler.is_compiling():
         return torch.ops.spec.w4a8_linear(x, weight, scale, low, bias, out_features)
@@ -70,7 +82,8 @@ def _run(x, weight, scale, low, bias, N: int) -> torch.Tensor:
     out = torch.empty(rows.shape[0], N, dtype=x.dtype)
     if rows.shape[0] == 0:
         return out.view(*x.shape[:-1], N)
-    rc = lib.spec_w4a8_linear(rows.data_ptr(), int(x.dtype == torch.bfloat16), rows.shape[0], K, N,
+    bits = 4 if weight.shape[2] == 4 else 8
+    rc = lib.spec_w4a8_linear(rows.data_ptr(), int(x.dtype == torch.bfloat16), rows.shape[0], K, N, bits,
                               weight.data_ptr(), scale.data_ptr(), low.data_ptr(),
                               bias.data_ptr() if bias is not None else None, out.data_ptr(), torch.get_num_threads())
     if rc != 0:
@@ -102,7 +115,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
               bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The same product in float64 from unpacked q [N, K] and float scale/min (tests): the activations
+    """The same product in float64 from q [N, K] and float scale/min (tests): the activations
     rounded to int8 groups as the kernel does, everything after that exact."""
     x8, dx = quantize_activations(x.reshape(-1, q.shape[1]))
     xs = (x8.double().view(x8.shape[0], -1, GROUP) * dx.double()[..., None]).view(x8.shape)

@@ -1,4 +1,4 @@
-"""The int4 x int8 CPU kernel (kernels/cpu_w4a8.c) against its float64 reference, its layout from
+"""The 4/8-bit x int8 CPU kernel (kernels/cpu_w4a8.c) against its float64 reference, its layouts from
 GGUF groups, and a row's bits independent of the rows and threads beside it."""
 
 from __future__ import annotations
@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from engine.loader import gguf_quant
-from engine.models.quant import W4A8Linear
+from engine.models.quant import Int8GroupLinear, W4A8Linear
 from spec_kernels import cpu_w4a8
 
 pytestmark = pytest.mark.skipif(cpu_w4a8.library() is None, reason="no C compiler")
 
 
-def weights(n: int, k: int, seed: int = 0):
+def weights(n: int, k: int, seed: int = 0, bits: int = 4):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    q = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.uint8)
     scale, low = torch.rand(n, k // 32, generator=g) * 0.01, -torch.rand(n, k // 32, generator=g) * 0.05
     # fp16 is what the kernel keeps: the reference gets the same rounded values
     return q, scale.half().float(), low.half().float()
@@ -24,11 +24,15 @@ def weights(n: int, k: int, seed: int = 0):
 @pytest.mark.parametrize("n, k", [(16, 32), (40, 96), (96, 576)])     # rows padded to 16; odd group counts
 @pytest.mark.parametrize("rows", [1, 5, 8, 11])                        # one pass of 8 rows, and more
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_the_reference(n, k, rows, dtype):
-    q, scale, low = weights(n, k)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_matches_the_reference(n, k, rows, dtype, bits):
+    q, scale, low = weights(n, k, bits=bits)
     bias = torch.randn(n)
     x = torch.randn(rows, k).to(dtype)
-    y = cpu_w4a8.linear(x, *cpu_w4a8.pack(q, scale, low), bias, n)
+    packed = cpu_w4a8.pack(q, scale, low, bits)
+    assert torch.equal(cpu_w4a8.unpack(*packed, n), (q.float().view(n, -1, 32) * scale[..., None]
+                                                     + low[..., None]).view(n, k))
+    y = cpu_w4a8.linear(x, *packed, bias, n)
     expected = cpu_w4a8.reference(x.float(), q, scale, low, bias)
     assert y.dtype == dtype and y.shape == (rows, n)
     # fp32: the activations' int8 rounding is in the reference, so only float summation order remains
@@ -36,9 +40,10 @@ def test_kernel_matches_the_reference(n, k, rows, dtype):
     assert (y.double() - expected).abs().max() <= tolerance * expected.abs().max()
 
 
-def test_rows_and_threads_do_not_change_a_rows_bits():
-    q, scale, low = weights(48, 256, seed=1)
-    packed = cpu_w4a8.pack(q, scale, low)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows_and_threads_do_not_change_a_rows_bits(bits):
+    q, scale, low = weights(48, 256, seed=1, bits=bits)
+    packed = cpu_w4a8.pack(q, scale, low, bits)
     x = torch.randn(19, 256)
     together = cpu_w4a8.linear(x, *packed, None, 48)
     alone = torch.cat([cpu_w4a8.linear(x[i:i + 1], *packed, None, 48) for i in range(19)])
@@ -66,3 +71,15 @@ def test_a_linear_from_gguf_groups_computes_with_them():
     x = torch.randn(3, 128)
     expected = cpu_w4a8.reference(x, torch.from_numpy(q), scale, low, None)
     assert (linear(x).double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_int8_groups_keep_q8_0_weights_exactly():
+    """A GGUF's Q8_0 tensor (SmolLM2's embedding and tied head), dequantized by gguf and quantized
+    again into int8 groups, holds the same weights."""
+    import gguf
+    import numpy as np
+
+    raw = gguf.quants.quantize(np.random.default_rng(1).standard_normal((48, 256)).astype(np.float32),
+                               gguf.GGMLQuantizationType.Q8_0)
+    weights = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0)).reshape(48, 256)
+    assert torch.equal(Int8GroupLinear.quantize(weights, None, slice_rows=20).dequantized(), weights)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.loader import gguf_quant
-from engine.models.quant import Int4Linear, Int8Embedding, W4A8Linear, W8A8Linear, quantize_rows
+from engine.models.quant import Int4Linear, Int8Embedding, Int8GroupLinear, W4A8Linear, W8A8Linear, quantize_rows
 from spec_kernels import cpu_w4a8
 from tests.test_loader import gguf_tokenizer, tiny_llama, write_tiny_gguf
 from tests.test_speculative_lossless import ALGOS, draft_setup, prompts as lossless_prompts
@@ -58,7 +58,8 @@ def test_int4_linear_computes_with_its_groups():
     assert (linear(x) - expected).abs().max() < 1e-2 * expected.abs().max()
 
 
-@pytest.mark.parametrize("cls, tolerance", [(Int4Linear, 0.1), (W8A8Linear, 0.03), (W4A8Linear, 0.1)])
+@pytest.mark.parametrize("cls, tolerance", [(Int4Linear, 0.1), (W8A8Linear, 0.03), (W4A8Linear, 0.1),
+                                                  (Int8GroupLinear, 0.03)])
 def test_quantized_linear_approximates_the_float_one(cls, tolerance):
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(96, 256, generator=g) * 0.05, torch.randn(5, 256, generator=g)
@@ -66,7 +67,7 @@ def test_quantized_linear_approximates_the_float_one(cls, tolerance):
     assert (cls.quantize(w, None)(x) - expected).abs().max() < tolerance * expected.abs().max()
 
 
-@pytest.mark.parametrize("cls", [Int4Linear, W8A8Linear, W4A8Linear])
+@pytest.mark.parametrize("cls", [Int4Linear, W8A8Linear, W4A8Linear, Int8GroupLinear])
 def test_a_row_does_not_depend_on_the_rows_beside_it(cls):
     g = torch.Generator().manual_seed(1)
     linear = cls.quantize(torch.randn(64, 128, generator=g), None)
@@ -158,7 +159,8 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     int4_layer = engines[("quantization", "int4")]._target.model.model.layers[0]
     assert type(int4_layer.self_attn.qkv_proj).__name__ == type(int4_layer.mlp.down_proj).__name__ == "Int4Linear"
     w4a8_layer = engines[("quantization", "w4a8")]._target.model.model.layers[0]
-    assert isinstance(w4a8_layer.self_attn.qkv_proj, W4A8Linear) and isinstance(w4a8_layer.mlp.down_proj, W8A8Linear)
+    assert type(w4a8_layer.self_attn.qkv_proj) is W4A8Linear and type(w4a8_layer.mlp.down_proj) is Int8GroupLinear
+    assert type(engines[("quantization", "w4a8")]._target.model.quant_head) is Int8GroupLinear
     assert "W8A8Linear" in kinds[("quantization", "w8a8_int8")]
     assert engines[("quantization", "w8a8_int8")]._target.model.quant_head is not None
     assert "Int8Embedding" in kinds[("quantization", "w8a8_int8")]

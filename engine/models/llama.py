@@ -181,10 +181,12 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         """The head's float weights, for the rare reader of its rows (token maps, EAGLE drafts): a
         quantized head keeps no float copy, so they are rebuilt here."""
+        if self.quant_head is not None:
+            return self.quant_head.dequantized()
         if self.tie_word_embeddings:
             embedding = self.model.embed_tokens
             return embedding.dequantized() if isinstance(embedding, Int8Embedding) else embedding.weight
-        return self.quant_head.dequantized() if self.quant_head is not None else self.lm_head.weight
+        return self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 backend: AttentionBackend, input_embeds: torch.Tensor | None = None):

@@ -6,11 +6,12 @@
   never depends on the other rows of the call (what speculative decoding's losslessness leans on), and
   the cost barely grows with the rows: measured on a Xeon with AMX, Qwen2.5-1.5B's gate/up projection
   takes 0.65 ms for 1 row and 0.70 ms for 8 (docs/benchmarking.md). 1 byte per weight.
-- w4a8 (the default for GGUF files on the CPU where the kernel builds): a GGUF's own 4-bit groups
-  (below) times int8 activations quantized in the same groups of 32, in our C kernel
-  (kernels/cpu_w4a8.c: VNNI integer dot products, weights unpacked once for up to 8 rows, each row's
-  result independent of the others). Scale and min kept as fp16. Layers the GGUF stores otherwise
-  (Q6_K, ...) run as w8a8_int8, as do the embedding and head. On a Xeon (AVX-512 VNNI) Qwen2.5-1.5B's
+- w4a8 (the default for GGUF files on CPUs with AVX-512 VNNI): a GGUF's own 4-bit groups (below)
+  times int8 activations quantized in the same groups of 32, in our C kernel (kernels/cpu_w4a8.c:
+  VNNI integer dot products, weights unpacked once for up to 8 rows, each row's result independent of
+  the others). Scale and min kept as fp16. Layers the GGUF stores above 4 bits (Q6_K, Q8_0, ...) and
+  the head become symmetric int8 groups of 32 in the same kernel (Int8GroupLinear: Q8_0 exactly);
+  the embedding is int8 rows. A float checkpoint's linears are rounded to 4-bit groups. On a Xeon (AVX-512 VNNI) Qwen2.5-1.5B's
   gate/up projection took 0.21 ms for 1 row and 0.38 ms for 8, against w8a8_int8's 0.41 and 0.52;
   a prefill of 512 rows is 2-4x slower than oneDNN's (AMX) int8 GEMM. 0.625 bytes per weight.
 - int4: groups of 32 weights along the input, w = q * scale + min with q in 0..15 (GGUF's Q4_0, Q4_1
@@ -19,7 +20,7 @@
   and min rounded to bf16 there. As fast as w8a8_int8 for one row, ~3.7x that for 8. 0.625 bytes per
   weight, and a GGUF's own 4-bit weights served exactly.
 The layers quantized are the decoder's (q/k/v, o, gate/up, down); with w8a8_int8 and w4a8 the lm_head
-too, and the embedding is kept as the same int8 rows (Int8Embedding). Norms stay dense.
+too, and the embedding is kept as int8 rows (Int8Embedding). Norms stay dense.
 """
 
 from __future__ import annotations
@@ -72,14 +73,15 @@ class Int4Linear(nn.Module):
 
 class W4A8Linear(nn.Module):
     """4-bit weight groups x int8 activations (kernels/cpu_w4a8.c)."""
+    bits = 4
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: Optional[nn.Parameter]):
         from spec_kernels.cpu_w4a8 import pack
 
         super().__init__()
         self.out_features, self.in_features = q.shape
-        weight, scale16, low16 = pack(q, scale, low)
-        self.register_buffer("weight_w4", weight, persistent=False)
+        weight, scale16, low16 = pack(q, scale, low, self.bits)
+        self.register_buffer("weight_packed", weight, persistent=False)
         self.register_buffer("scale", scale16, persistent=False)
         self.register_buffer("low", low16, persistent=False)
         self.bias = bias
@@ -98,8 +100,34 @@ class W4A8Linear(nn.Module):
 
         # The kernel adds an fp32 bias itself; a bf16 one is added after, as the float layer would.
         fused = self.bias is not None and self.bias.dtype == torch.float32
-        y = linear(x, self.weight_w4, self.scale, self.low, self.bias if fused else None, self.out_features)
+        y = linear(x, self.weight_packed, self.scale, self.low, self.bias if fused else None, self.out_features)
         return y if self.bias is None or fused else y + self.bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The float weights [N, K] the layer computes with (for code that reads a head's rows)."""
+        from spec_kernels.cpu_w4a8 import unpack as unpack_layout
+
+        return unpack_layout(self.weight_packed, self.scale, self.low, self.out_features)
+
+
+class Int8GroupLinear(W4A8Linear):
+    """Symmetric int8 groups of 32 (Q8_0's form) x int8 activations in the same kernel: under w4a8, the
+    layers a GGUF keeps above 4 bits (Q6_K, Q8_0, ...) and the head."""
+    bits = 8
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter], slice_rows: int = 8192) -> "Int8GroupLinear":
+        """In slices of rows, as quantize_rows, for a whole vocabulary's sake. The scale is rounded to
+        fp16 (what the kernel keeps) before the weights are divided by it."""
+        N, K = weight.shape
+        q = torch.empty(N, K, dtype=torch.uint8)
+        scale = torch.empty(N, K // GROUP)
+        for rows in range(0, N, slice_rows):
+            w = weight.detach()[rows:rows + slice_rows].float().view(-1, K // GROUP, GROUP)
+            d = scale[rows:rows + slice_rows] = (w.abs().amax(-1) / 127).half().float()
+            steps = torch.where(d > 0, d, torch.ones_like(d))[..., None]
+            q[rows:rows + slice_rows] = ((w / steps).round_().clamp_(-127, 127) + 128).view(-1, K).to(torch.uint8)
+        return cls(q, scale, -128 * scale, bias)
 
 
 def round_to_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -178,11 +206,14 @@ class W8A8Linear(nn.Module):
         return (rows / 127).t().contiguous()
 
 
-KINDS = {"int4": Int4Linear, "w8a8_int8": W8A8Linear, "w4a8": W4A8Linear}
-# What the linears a GGUF stores in 4-bit groups become, per kind; with w4a8 its other linears (Q6_K,
-# ...) keep 8 bits (w8a8_int8) rather than being rounded to 4.
+# --quantization's formats, and int8_groups: under w4a8, the linears a GGUF stores above 4 bits.
+KINDS = {"int4": Int4Linear, "w8a8_int8": W8A8Linear, "w4a8": W4A8Linear, "int8_groups": Int8GroupLinear}
+# What the linears a GGUF stores in 4-bit groups become, per kind, and its other linears (Q6_K, ...):
+# with w4a8 they keep 8 bits rather than being rounded to 4.
 FROM_GROUPS = {"int4": Int4Linear, "w4a8": W4A8Linear}
-BESIDE_GROUPS = {"int4": "int4", "w4a8": "w8a8_int8"}
+BESIDE_GROUPS = {"int4": "int4", "w4a8": "int8_groups"}
+# The head under each kind (int4 keeps a float one); the embedding is int8 rows beside a quantized head.
+HEADS = {"w8a8_int8": W8A8Linear, "w4a8": Int8GroupLinear, "int8_groups": Int8GroupLinear}
 
 
 def decoder_linears(model: nn.Module) -> Iterable[tuple[str, nn.Module, str]]:
@@ -221,14 +252,14 @@ def quantize_while_loading(model: nn.Module, kind: str) -> dict[str, Callable[[t
             release_freed_memory()
 
         sinks[f"{prefix}.weight"] = sink
-    if kind != "int4" and hasattr(model, "quant_head"):
-        sinks.update(_vocab_sinks(model))
+    if kind in HEADS and hasattr(model, "quant_head"):
+        sinks.update(_vocab_sinks(model, HEADS[kind]))
     return sinks
 
 
-def _vocab_sinks(model: nn.Module) -> dict[str, Callable[[torch.Tensor], None]]:
-    """w8a8_int8's embedding and head: the embedding kept as int8 rows, a tied head made from the same
-    rows, an untied one from its own; neither keeps a float copy."""
+def _vocab_sinks(model: nn.Module, head: type) -> dict[str, Callable[[torch.Tensor], None]]:
+    """The embedding kept as int8 rows, and a `head` layer: a tied one made from the same weights (with
+    W8A8Linear the same rows), an untied one from its own; neither keeps a float copy."""
     dtype = model.model.embed_tokens.weight.dtype
     model.model.embed_tokens = _Pending(None)
 
@@ -236,12 +267,12 @@ def _vocab_sinks(model: nn.Module) -> dict[str, Callable[[torch.Tensor], None]]:
         q, scale = quantize_rows(weight)
         model.model.embed_tokens = Int8Embedding(q, scale, dtype)
         if model.tie_word_embeddings:
-            model.quant_head = W8A8Linear(q, scale, None)
+            model.quant_head = W8A8Linear(q, scale, None) if head is W8A8Linear else head.quantize(weight, None)
 
     sinks = {"model.embed_tokens.weight": embedding}
     if not model.tie_word_embeddings:
         del model.lm_head
-        sinks["lm_head.weight"] = lambda weight: setattr(model, "quant_head", W8A8Linear.quantize(weight, None))
+        sinks["lm_head.weight"] = lambda weight: setattr(model, "quant_head", head.quantize(weight, None))
     return sinks
 
 
