@@ -59,11 +59,12 @@ def test_bucketed_decode_is_lossless(algo, capture, target, tmp_path):
     assert eng.stats()["kv_tokens_used"] == 0
 
 
-@pytest.mark.parametrize("algo", [None, "EAGLE3"])
-def test_compiled_decode_gives_the_same_tokens(algo, target, tmp_path):
-    """--enable-torch-compile: decode and verify run compiled (one dynamic graph, warmed up at start)."""
+@pytest.mark.parametrize("algo, weights", [(None, {}), ("EAGLE3", {}), (None, {"quantization": "w4a8"})])
+def test_compiled_decode_gives_the_same_tokens(algo, weights, target, tmp_path):
+    """--enable-torch-compile: decode and verify run compiled (one dynamic graph, warmed up at start);
+    quantized linears run their kernels as opaque ops in it."""
     prompts = random_prompts(4, seed=9)
-    spec = {} if algo is None else draft_setup(algo, target, tmp_path)
+    spec = {**weights, **({} if algo is None else draft_setup(algo, target, tmp_path))}
     expected = [o["output_ids"] for o in tiny_engine(target, algo, tree=(3, 2, 6), **spec).generate(
         input_ids=prompts, sampling_params=GREEDY)]
     eng = tiny_engine(target, algo, tree=(3, 2, 6), enable_torch_compile=True, torch_compile_max_bs=4, **spec)
