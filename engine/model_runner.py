@@ -67,10 +67,13 @@ def resolve_quantization(name: str, model_dir, device: str, dtype: str, config=N
         if name == "w4a8" and cpu_w4a8.library() is None:
             raise ConfigError(f"--quantization w4a8 needs its C kernel, which could not be built: "
                               f"{cpu_w4a8.failure()}. Install a C compiler (gcc) or set CC, or pick int4 or w8a8_int8.")
+        if name == "w4a8" and dtype == "float16":
+            raise ConfigError("--quantization w4a8 takes bfloat16 or float32 activations: drop --dtype float16, "
+                              "or pick int4 or w8a8_int8.")
         return name
     if name != "auto" or device != "cpu" or dtype == "float32" or int4_groups(model_dir) is None:
         return None
-    if cpu_w4a8.kernel_name() == "avx512-vnni":
+    if cpu_w4a8.kernel_name() == "avx512-vnni" and dtype != "float16":
         return "w4a8"
     size = getattr(config, "hidden_size", 0) * getattr(config, "intermediate_size", 0)
     return "w8a8_int8" if size >= _W8A8_MIN_WEIGHTS and torch.backends.mkldnn.is_available() else "int4"

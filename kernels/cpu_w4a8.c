@@ -52,7 +52,36 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-/* One activation row -> int8 groups: x8 [K], dx [G] (group scale), sx [G] (dx * sum of the group). */
+/* One activation row -> int8 groups: x8 [K], dx [G] (group scale), sx [G] (dx * sum of the group).
+ * x8 = round-to-nearest-even(x * (127 / amax)) in both paths, so they give the same bits. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline __m512 bf16x16_to_float(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static void quantize_row(const void *x, int bf16, int K, int8_t *x8, float *dx, float *sx) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int g = 0; g < K / GROUP; g++) {
+        __m512 a, b;
+        if (bf16) {
+            const uint16_t *h = (const uint16_t *)x + g * GROUP;
+            a = bf16x16_to_float(_mm256_loadu_si256((const __m256i *)h));
+            b = bf16x16_to_float(_mm256_loadu_si256((const __m256i *)(h + 16)));
+        } else {
+            a = _mm512_loadu_ps((const float *)x + g * GROUP);
+            b = _mm512_loadu_ps((const float *)x + g * GROUP + 16);
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(x8 + g * GROUP), _mm512_cvtepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(x8 + g * GROUP + 16), _mm512_cvtepi32_epi8(qb));
+        dx[g] = d;
+        sx[g] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    }
+}
+#else
 static void quantize_row(const void *x, int bf16, int K, int8_t *x8, float *dx, float *sx) {
     float v[GROUP];
     for (int g = 0; g < K / GROUP; g++) {
@@ -73,6 +102,7 @@ static void quantize_row(const void *x, int bf16, int K, int8_t *x8, float *dx, 
         sx[g] = d * (float)sum;
     }
 }
+#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KERNEL "avx512-vnni"
@@ -166,28 +196,43 @@ static void block_rows(const uint8_t *w, const uint16_t *ws, const uint16_t *wm,
 #undef ROWS_CASES
 }
 
-/* x [M, K] (fp32, or bf16 when bf16), `bits` (4 or 8) weights/scales/mins as described above for N
- * rows (padded to blocks of 16), bias [N] fp32 or NULL -> out [M, N] in x's dtype. Returns 0, -1 when
- * out of memory, -2 when K is not a multiple of 32. */
-int spec_w4a8_linear(const void *x, int bf16, int64_t M, int K, int64_t N, int bits, const uint8_t *weight,
-                     const uint16_t *scale, const uint16_t *low, const float *bias, void *out, int threads) {
+/* A layer: `bits` (4 or 8) weights, scales and mins as described above for N rows (padded to blocks
+ * of 16), bias [N] (fp32, or bf16 when bias_bf16) or NULL. Set up once per layer by the caller. */
+struct spec_w4a8_layer {
+    int64_t K, N, bits, bias_bf16;
+    const uint8_t *weight;
+    const uint16_t *scale, *low;
+    const void *bias;
+};
+
+/* Per calling thread: the quantized activations, grown as needed and kept (no allocation per call). */
+static _Thread_local void *scratch;
+static _Thread_local size_t scratch_bytes;
+
+/* x [M, K] (fp32, or bf16 when bf16) -> out [M, N] in x's dtype. Returns 0, -1 when out of memory,
+ * -2 when K is not a multiple of 32. */
+int spec_w4a8_linear(const struct spec_w4a8_layer *L, const void *x, int bf16, int64_t M, void *out, int threads) {
+    const int64_t K = L->K, N = L->N;
     if (K % GROUP != 0) return -2;
-    const int G = K / GROUP;
-    int8_t *x8 = malloc((size_t)M * K);
-    float *dx = malloc(sizeof(float) * M * G), *sx = malloc(sizeof(float) * M * G);
-    if (!x8 || !dx || !sx) {
-        free(x8), free(dx), free(sx);
-        return -1;
+    const int G = (int)(K / GROUP), bits = (int)L->bits;
+    const size_t need = (size_t)M * K + 2 * sizeof(float) * M * G;
+    if (need > scratch_bytes) {
+        void *grown = realloc(scratch, need);
+        if (!grown) return -1;
+        scratch = grown, scratch_bytes = need;
     }
+    float *dx = scratch, *sx = dx + M * G;
+    int8_t *x8 = (int8_t *)(sx + M * G);
     const size_t item = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (M > 8)
     for (int64_t m = 0; m < M; m++)
-        quantize_row((const char *)x + m * K * item, bf16, K, x8 + m * K, dx + m * G, sx + m * G);
+        quantize_row((const char *)x + m * K * item, bf16, (int)K, x8 + m * K, dx + m * G, sx + m * G);
     const int64_t blocks = (N + NB - 1) / NB;
-#pragma omp parallel for num_threads(threads) schedule(static)
+    /* A small product runs on this thread: waking the others costs more than it saves. */
+#pragma omp parallel for num_threads(threads) schedule(static) if (N * K * M >= (1 << 20))
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *w = weight + b * G * 64 * bits;
-        const uint16_t *ws = scale + b * G * NB, *wm = low + b * G * NB;
+        const uint8_t *w = L->weight + b * G * 64 * bits;
+        const uint16_t *ws = L->scale + b * G * NB, *wm = L->low + b * G * NB;
         float y[MR * NB];
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int rows = M - m0 < MR ? (int)(M - m0) : MR;
@@ -195,13 +240,14 @@ int spec_w4a8_linear(const void *x, int bf16, int64_t M, int K, int64_t N, int b
             for (int r = 0; r < rows; r++)
                 for (int n = 0; n < NB && b * NB + n < N; n++) {
                     float v = y[r * NB + n];
-                    if (bias) v += bias[b * NB + n];
+                    if (L->bias)
+                        v += L->bias_bf16 ? bf16_to_float(((const uint16_t *)L->bias)[b * NB + n])
+                                          : ((const float *)L->bias)[b * NB + n];
                     const int64_t at = (m0 + r) * N + b * NB + n;
                     if (bf16) ((uint16_t *)out)[at] = float_to_bf16(v);
                     else ((float *)out)[at] = v;
                 }
         }
     }
-    free(x8), free(dx), free(sx);
     return 0;
 }

@@ -14,11 +14,17 @@ from spec_kernels.native import Kernel
 GROUP = 32
 
 
+class Layer(ctypes.Structure):
+    """struct spec_w4a8_layer: what a call needs besides its activations, set up once per layer (`layer`)."""
+    _fields_ = [("K", ctypes.c_int64), ("N", ctypes.c_int64), ("bits", ctypes.c_int64), ("bias_bf16", ctypes.c_int64),
+                ("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("low", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p)]
+
+
 def _declare(library: ctypes.CDLL) -> None:
     fn = library.spec_w4a8_linear
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int] + \
-        [ctypes.c_void_p] * 5 + [ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     library.spec_w4a8_kernel.restype = ctypes.c_char_p
 
 
@@ -64,37 +70,44 @@ def unpack(weight: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, out_fea
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
            bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
-    """x [..., K] (fp32 or bf16) times packed weights (`pack`, 4 or 8 bits) of `out_features` rows, plus bias (fp32
-    [N] or None): [..., N] in x's dtype."""
+    """x [..., K] (fp32 or bf16) times packed weights (`pack`, 4 or 8 bits) of `out_features` rows, plus
+    bias (fp32, bf16 or None; added in fp32 before the result is rounded to x's dtype): [..., N]."""
     if torch.compiler.is_compiling():
         return torch.ops.spec.w4a8_linear(x, weight, scale, low, bias, out_features)
-    return _run(x, weight, scale, low, bias, out_features)
+    return call(layer(weight, scale, low, bias, out_features), x)
 
 
-def _run(x, weight, scale, low, bias, N: int) -> torch.Tensor:
+def layer(weight: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: Optional[torch.Tensor],
+          out_features: int) -> Layer:
+    """The C struct of a packed layer: it points into the tensors, which must outlive it unchanged."""
+    if bias is not None:
+        assert bias.dtype in (torch.float32, torch.bfloat16) and bias.is_contiguous()
+    return Layer(weight.shape[1] * GROUP, out_features, 4 if weight.shape[2] == 4 else 8,
+                 bias is not None and bias.dtype == torch.bfloat16, weight.data_ptr(), scale.data_ptr(),
+                 low.data_ptr(), bias.data_ptr() if bias is not None else None)
+
+
+def call(layer: Layer, x: torch.Tensor) -> torch.Tensor:
+    """Eager calls: the kernel on x with a layer's struct, and as little Python around it as can be (a
+    layer runs ~100 times a token)."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"int4 x int8 CPU kernel unavailable: {failure()}")
-    K = weight.shape[1] * GROUP
-    rows = x.reshape(-1, K)
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], N, dtype=x.dtype)
+    rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, layer.K).contiguous()
+    out = torch.empty((rows.shape[0], layer.N), dtype=x.dtype)
     if rows.shape[0] == 0:
-        return out.view(*x.shape[:-1], N)
-    bits = 4 if weight.shape[2] == 4 else 8
-    rc = lib.spec_w4a8_linear(rows.data_ptr(), int(x.dtype == torch.bfloat16), rows.shape[0], K, N, bits,
-                              weight.data_ptr(), scale.data_ptr(), low.data_ptr(),
-                              bias.data_ptr() if bias is not None else None, out.data_ptr(), torch.get_num_threads())
+        return out.view(*x.shape[:-1], layer.N)
+    rc = lib.spec_w4a8_linear(ctypes.byref(layer), rows.data_ptr(), x.dtype == torch.bfloat16, rows.shape[0],
+                              out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError("w4a8_linear: out of memory" if rc == -1 else "w4a8_linear: K is not a multiple of 32")
-    return out.view(*x.shape[:-1], N)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], layer.N)
 
 
 @torch.library.custom_op("spec::w4a8_linear", mutates_args=())
 def _op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
         bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
-    return _run(x, weight, scale, low, bias, out_features)
+    return call(layer(weight, scale, low, bias, out_features), x)
 
 
 @_op.register_fake

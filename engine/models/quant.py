@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from engine.loader.gguf_quant import GROUP, unpack
+from spec_kernels import cpu_w4a8
 
 aten = torch.ops.aten
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -76,15 +77,14 @@ class W4A8Linear(nn.Module):
     bits = 4
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: Optional[nn.Parameter]):
-        from spec_kernels.cpu_w4a8 import pack
-
         super().__init__()
         self.out_features, self.in_features = q.shape
-        weight, scale16, low16 = pack(q, scale, low, self.bits)
+        weight, scale16, low16 = cpu_w4a8.pack(q, scale, low, self.bits)
         self.register_buffer("weight_packed", weight, persistent=False)
         self.register_buffer("scale", scale16, persistent=False)
         self.register_buffer("low", low16, persistent=False)
         self.bias = bias
+        self._layer: Optional[cpu_w4a8.Layer] = None
 
     @classmethod
     def from_groups(cls, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
@@ -96,18 +96,19 @@ class W4A8Linear(nn.Module):
         return cls(*round_to_groups(weight), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from spec_kernels.cpu_w4a8 import linear
-
-        # The kernel adds an fp32 bias itself; a bf16 one is added after, as the float layer would.
-        fused = self.bias is not None and self.bias.dtype == torch.float32
-        y = linear(x, self.weight_packed, self.scale, self.low, self.bias if fused else None, self.out_features)
-        return y if self.bias is None or fused else y + self.bias
+        if torch.compiler.is_compiling():
+            return torch.ops.spec.w4a8_linear(x, self.weight_packed, self.scale, self.low, self.bias,
+                                              self.out_features)
+        # The C struct, made on the first eager call (the bias loads after this layer is built) and
+        # again if a tensor has moved.
+        if self._layer is None or self._layer.weight != self.weight_packed.data_ptr() or (
+                self.bias is not None and self._layer.bias != self.bias.data_ptr()):
+            self._layer = cpu_w4a8.layer(self.weight_packed, self.scale, self.low, self.bias, self.out_features)
+        return cpu_w4a8.call(self._layer, x)
 
     def dequantized(self) -> torch.Tensor:
         """The float weights [N, K] the layer computes with (for code that reads a head's rows)."""
-        from spec_kernels.cpu_w4a8 import unpack as unpack_layout
-
-        return unpack_layout(self.weight_packed, self.scale, self.low, self.out_features)
+        return cpu_w4a8.unpack(self.weight_packed, self.scale, self.low, self.out_features)
 
 
 class Int8GroupLinear(W4A8Linear):
