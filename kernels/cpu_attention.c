@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bf16.h"
+#include "common.h"
 
 #define LANES 16
 #define MAX_HEAD_DIM 512
@@ -30,26 +30,6 @@ static inline const float *row_of(const void *base, int bf16, int64_t i, int n, 
     const uint16_t *src = (const uint16_t *)base + i * n;
     for (int d = 0; d < n; d++) buf[d] = bf16_to_float(src[d]);
     return buf;
-}
-
-/* exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 in
- * two parts, p of degree 6 (within 2 ulp of expf). Plain arithmetic, so loops over it vectorize. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float shift = 12582912.0f;      /* 1.5 * 2^23: adding and taking it away rounds to an integer */
-    const float n = (x * 1.44269504088896341f + shift) - shift;
-    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-    float p = 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
 }
 
 typedef float v16f __attribute__((vector_size(64)));

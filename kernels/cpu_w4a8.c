@@ -24,7 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bf16.h"
+#include "common.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif

@@ -59,10 +59,10 @@ def test_bucketed_decode_is_lossless(algo, capture, target, tmp_path):
     assert eng.stats()["kv_tokens_used"] == 0
 
 
-@pytest.mark.parametrize("algo, weights", [(None, {}), ("EAGLE3", {}), (None, {"quantization": "w4a8"})])
+@pytest.mark.parametrize("algo, weights", [(None, {}), ("EAGLE3", {}), (None, {"quantization": "w4a8", "dtype": "bfloat16"})])
 def test_compiled_decode_gives_the_same_tokens(algo, weights, target, tmp_path):
     """--enable-torch-compile: decode and verify run compiled (one dynamic graph, warmed up at start);
-    quantized linears run their kernels as opaque ops in it."""
+    quantized linears and bf16 elementwise steps run their C kernels as opaque ops in it."""
     prompts = random_prompts(4, seed=9)
     spec = {**weights, **({} if algo is None else draft_setup(algo, target, tmp_path))}
     expected = [o["output_ids"] for o in tiny_engine(target, algo, tree=(3, 2, 6), **spec).generate(

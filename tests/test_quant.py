@@ -111,15 +111,16 @@ def target(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("target"), "llama", seed=3)
 
 
-@pytest.mark.parametrize("kind", ["int4", "w8a8_int8", "w4a8"])
+@pytest.mark.parametrize("kind, dtype", [("int4", "float32"), ("w8a8_int8", "float32"), ("w4a8", "float32"),
+                                         ("w4a8", "bfloat16")])     # bf16: the C elementwise kernels too
 @pytest.mark.parametrize("algo", ALGOS)
-def test_speculation_is_lossless_on_quantized_weights(kind, algo, target, tmp_path):
+def test_speculation_is_lossless_on_quantized_weights(kind, dtype, algo, target, tmp_path):
     prompts = lossless_prompts()         # a repetitive one among them: drafts get accepted
     spec = draft_setup(algo, target, tmp_path)
     model = spec.pop("model_path", target)
-    plain = tiny_engine(model, quantization=kind)
+    plain = tiny_engine(model, quantization=kind, dtype=dtype)
     expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=GREEDY)]
-    eng = tiny_engine(model, algo, tree=(3, 2, 6), quantization=kind, **spec)
+    eng = tiny_engine(model, algo, tree=(3, 2, 6), quantization=kind, dtype=dtype, **spec)
     assert [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)] == expected
     stats = eng.stats()
     assert stats["spec_verify_ct"] > 0 and (algo != "NGRAM" or stats["avg_spec_accept_length"] > 1)

@@ -115,7 +115,8 @@ def random_prompts(n: int, seed: int = 0, lo: int = 2, hi: int = 40) -> list[lis
 
 
 def tiny_engine(model_dir, algorithm=None, draft=None, tree=(3, 1, 4), **kw):
-    """An fp32 Engine on a tiny model, speculative when `algorithm` is given (tree = steps, topk, tokens)."""
+    """An Engine on a tiny model (fp32 unless `dtype` is given), speculative when `algorithm` is given
+    (tree = steps, topk, tokens)."""
     from engine import Engine
 
     spec = {}
@@ -125,7 +126,7 @@ def tiny_engine(model_dir, algorithm=None, draft=None, tree=(3, 1, 4), **kw):
                     speculative_num_draft_tokens=tokens)
         if draft:
             spec["speculative_draft_model_path"] = str(draft)
-    return Engine(model_path=str(model_dir), dtype="float32", **{"max_total_tokens": 4096, **spec, **kw})
+    return Engine(model_path=str(model_dir), **{"dtype": "float32", "max_total_tokens": 4096, **spec, **kw})
 
 
 def target_probs(logits, params, prompt, output=(), eos_ids=()):

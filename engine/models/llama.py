@@ -19,6 +19,7 @@ from engine.distributed.sharding import local_weights
 from engine.forward_batch import ForwardBatch
 from engine.models.prepack import PrepackedLinear, prepack_linears
 from engine.models.quant import Int8Embedding
+from spec_kernels import cpu_elementwise
 
 
 class RMSNorm(nn.Module):
@@ -30,8 +31,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch's fused kernel computes transformers' x * rsqrt(mean(x^2) + eps) bit for bit, in one op
         # instead of seven; low precision is normalised in fp32 and scaled after rounding, as there.
+        # bf16 on the CPU: the same steps in one C call (kernels/cpu_elementwise.c).
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if self.weight.dtype == x.dtype and cpu_elementwise.usable(x):
+            return cpu_elementwise.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
@@ -77,6 +81,8 @@ class Rotary(nn.Module):
 def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotate x [T, heads, head_dim] (queries and keys together) by the tokens' (cos, sin)."""
     cos, sin = rope
+    if cos.dtype == x.dtype and cpu_elementwise.usable(x):
+        return cpu_elementwise.rope(x, cos, sin)
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
@@ -122,7 +128,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_elementwise.usable(gate_up):
+            return self.down_proj(cpu_elementwise.silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
