@@ -229,7 +229,7 @@ int spec_w4a8_linear(const struct spec_w4a8_layer *L, const void *x, int bf16, i
         quantize_row((const char *)x + m * K * item, bf16, (int)K, x8 + m * K, dx + m * G, sx + m * G);
     const int64_t blocks = (N + NB - 1) / NB;
     /* A small product runs on this thread: waking the others costs more than it saves. */
-#pragma omp parallel for num_threads(threads) schedule(static) if (N * K * M >= (1 << 20))
+#pragma omp parallel for num_threads(threads) schedule(static) if (N * K * M >= (1 << 16))
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *w = L->weight + b * G * 64 * bits;
         const uint16_t *ws = L->scale + b * G * NB, *wm = L->low + b * G * NB;
