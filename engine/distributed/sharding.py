@@ -92,7 +92,9 @@ def local_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple
         yield from weights
         return
     for name, tensor in weights:
-        yield name, local_block(name, tensor, g.rank, g.size)
+        tensor = local_block(name, tensor, g.rank, g.size)
+        yield name, tensor
+        del tensor                          # not held while the next one is read
 
 
 Groups = Callable[[str], Optional[tuple]]

@@ -242,20 +242,19 @@ class LlamaForCausalLM(nn.Module):
         pending: dict[str, dict[str, torch.Tensor]] = {}
         layers = self.config.num_hidden_layers
         sinks = dict(sinks or {})
-        weights = local_weights((n, t) for n, t in weights if not is_mtp_weight(n, layers))
+        # No loop here keeps a tensor while the next is read (a vocabulary-sized one is ~1 GB in fp32):
+        # each `del`s its own before asking for the next.
+        weights = local_weights(filter(lambda item: not is_mtp_weight(item[0], layers), weights))
         for name, tensor in fuse_weights(weights, pending):
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
             if name in sinks:
                 sinks.pop(name)(tensor)
-                continue
-            if name not in params:
-                if "rotary_emb" in name:
-                    continue
+            elif name in params:
+                with torch.no_grad():
+                    params[name].copy_(tensor.to(params[name].dtype))
+                loaded.add(name)
+            elif "rotary_emb" not in name and not (name == "lm_head.weight" and self.tie_word_embeddings):
                 raise KeyError(f"unexpected weight {name!r}")
-            with torch.no_grad():
-                params[name].copy_(tensor.to(params[name].dtype))
-            loaded.add(name)
+            del tensor
         missing = sorted(set(params) - loaded) + sorted(sinks)
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
@@ -288,14 +287,16 @@ def fuse_weights(weights: Iterable[tuple[str, torch.Tensor]], pending: dict) -> 
         part = parts[-2] if len(parts) >= 2 else ""
         if part not in _FUSED:
             yield name, tensor
+            del tensor
             continue
         fused, order = _FUSED[part]
         key = ".".join(parts[:-2] + [fused, parts[-1]])
         group = pending.setdefault(key, {})
         group[part] = (name, tensor)
+        del tensor
         if len(group) == len(order):
-            yield key, torch.cat([group[p][1] for p in order], dim=0)
             del pending[key]
+            yield key, torch.cat([group.pop(p)[1] for p in order], dim=0)
     for group in pending.values():
         yield from group.values()
     pending.clear()

@@ -75,25 +75,35 @@ class Int4Linear(nn.Module):
 class W4A8Linear(nn.Module):
     """4-bit weight groups x int8 activations (kernels/cpu_w4a8.c)."""
     bits = 4
+    SLICE = 4096        # rows converted at a time: a vocabulary's temporaries would be several times its size
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: Optional[nn.Parameter]):
+    def __init__(self, groups: Callable[[int, int], tuple], out_features: int, in_features: int,
+                 bias: Optional[nn.Parameter]):
+        """groups(r0, r1) -> (q, scale, min) of rows r0:r1 (q below 2**bits, scale and min per group of
+        32), packed into the kernel's layout slice by slice."""
         super().__init__()
-        self.out_features, self.in_features = q.shape
-        weight, scale16, low16 = cpu_w4a8.pack(q, scale, low, self.bits)
+        self.out_features, self.in_features = out_features, in_features
+        blocks, G = -(-out_features // 16), in_features // GROUP
+        weight = torch.empty(blocks, G, self.bits, 64, dtype=torch.uint8)      # 4 or 8 vectors of 64 bytes
+        scale, low = (torch.empty(blocks, G, 16, dtype=torch.float16) for _ in range(2))
+        for r0 in range(0, out_features, self.SLICE):
+            b0, b1 = r0 // 16, -(-min(r0 + self.SLICE, out_features) // 16)
+            weight[b0:b1], scale[b0:b1], low[b0:b1] = cpu_w4a8.pack(*groups(r0, r0 + self.SLICE), self.bits)
         self.register_buffer("weight_packed", weight, persistent=False)
-        self.register_buffer("scale", scale16, persistent=False)
-        self.register_buffer("low", low16, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("low", low, persistent=False)
         self.bias = bias
         self._layer: Optional[cpu_w4a8.Layer] = None
 
     @classmethod
     def from_groups(cls, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
                     bias: Optional[nn.Parameter]) -> "W4A8Linear":
-        return cls(unpack(packed), scale, low, bias)
+        return cls(lambda r0, r1: (unpack(packed[r0:r1]), scale[r0:r1], low[r0:r1]), packed.shape[0],
+                   packed.shape[1] * 2, bias)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "W4A8Linear":
-        return cls(*round_to_groups(weight), bias)
+        return cls(lambda r0, r1: round_to_groups(weight[r0:r1]), *weight.shape, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -117,18 +127,18 @@ class Int8GroupLinear(W4A8Linear):
     bits = 8
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter], slice_rows: int = 8192) -> "Int8GroupLinear":
-        """In slices of rows, as quantize_rows, for a whole vocabulary's sake. The scale is rounded to
-        fp16 (what the kernel keeps) before the weights are divided by it."""
-        N, K = weight.shape
-        q = torch.empty(N, K, dtype=torch.uint8)
-        scale = torch.empty(N, K // GROUP)
-        for rows in range(0, N, slice_rows):
-            w = weight.detach()[rows:rows + slice_rows].float().view(-1, K // GROUP, GROUP)
-            d = scale[rows:rows + slice_rows] = (w.abs().amax(-1) / 127).half().float()
-            steps = torch.where(d > 0, d, torch.ones_like(d))[..., None]
-            q[rows:rows + slice_rows] = ((w / steps).round_().clamp_(-127, 127) + 128).view(-1, K).to(torch.uint8)
-        return cls(q, scale, -128 * scale, bias)
+    def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "Int8GroupLinear":
+        return cls(lambda r0, r1: int8_groups(weight[r0:r1]), *weight.shape, bias)
+
+
+def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float weights [N, K] -> (q + 128 [N, K] uint8, scale, min = -128 * scale): symmetric groups of 32,
+    the scale rounded to fp16 (what the kernel keeps) before the weights are divided by it."""
+    w = weight.detach().float().view(weight.shape[0], -1, GROUP)
+    scale = (w.abs().amax(-1) / 127).half().float()
+    steps = torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
+    q = ((w / steps).round_().clamp_(-127, 127) + 128).view(weight.shape).to(torch.uint8)
+    return q, scale, -128 * scale
 
 
 def round_to_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -269,11 +279,17 @@ def _vocab_sinks(model: nn.Module, head: type) -> dict[str, Callable[[torch.Tens
         model.model.embed_tokens = Int8Embedding(q, scale, dtype)
         if model.tie_word_embeddings:
             model.quant_head = W8A8Linear(q, scale, None) if head is W8A8Linear else head.quantize(weight, None)
+        release_freed_memory()
 
     sinks = {"model.embed_tokens.weight": embedding}
     if not model.tie_word_embeddings:
         del model.lm_head
-        sinks["lm_head.weight"] = lambda weight: setattr(model, "quant_head", head.quantize(weight, None))
+
+        def untied_head(weight: torch.Tensor) -> None:
+            model.quant_head = head.quantize(weight, None)
+            release_freed_memory()
+
+        sinks["lm_head.weight"] = untied_head
     return sinks
 
 
@@ -315,4 +331,5 @@ def install_gguf_groups(model: nn.Module, groups: Callable[[str], Optional[tuple
         packed, scale, low = (torch.cat([p[i] for p in parts]) for i in range(3))
         setattr(parent, attr, FROM_GROUPS[kind].from_groups(packed, scale.float(), low.float(), linear.bias))
         provided.update(names)
+        release_freed_memory()
     return provided
