@@ -17,6 +17,7 @@ The worker runs N+1 on the copies, so it never reads a request the scheduler is 
 from __future__ import annotations
 
 import copy
+import threading
 from concurrent.futures import Future
 from typing import Callable, Optional, Sequence
 
@@ -38,25 +39,40 @@ def copies(reqs: Sequence[Request]) -> list[Request]:
 
 
 def forward_ahead(worker: Worker, table, prev: DecodeStep, prev_result: Future, step: DecodeStep,
-                  views: list[Request], ends: Callable) -> tuple[DecodeStep, Optional[StepResult]]:
+                  views: list[Request], ends: Callable, started: threading.Event
+                  ) -> tuple[DecodeStep, Optional[StepResult]]:
     """On the forward thread, after `prev`'s forward: resolve `step` (views[i] copies step.reqs[i]) from
-    prev's result and run it. `ends(view, token)` is true where a token finishes a request. Returns the
-    part of `step` that ran (its requests, not their copies) and its result (None where none ran). Raises
-    prev's exception where prev failed, having run nothing."""
-    out = prev_result.result()
-    prev, result = out if isinstance(out, tuple) else (prev, out)      # prev was built ahead too, or not
-    at = {id(req): i for i, req in enumerate(prev.reqs)}
-    keep, kept = [], result.kept.to(prev.slots.device)
-    for b, (req, view) in enumerate(zip(step.reqs, views)):
-        j = at[id(req)]
-        if _extend(view, result.tokens[j], ends):
-            worker.release(view)
-            continue
-        write_table(table, [view], [result.counts[j]], prev.slots[j][kept[j]])
-        view.kv_len += result.counts[j]
-        keep.append(b)
+    prev's result and run it. `ends(view, token)` is true where a token finishes a request. `started` is
+    set once resolved: the scheduler applies prev only then, so that its Python work does not hold the
+    GIL while this thread resolves. Returns the part of `step` that ran (its requests, not their copies)
+    and its result (None where none ran). Raises prev's exception where prev failed, having run nothing."""
+    try:
+        keep = _resolve(worker, table, prev, prev_result.result(), step, views, ends)
+    finally:
+        started.set()
     ran = DecodeStep([step.reqs[b] for b in keep], step.slots[keep])
     return ran, worker.forward(DecodeStep([views[b] for b in keep], ran.slots)) if keep else None
+
+
+def _resolve(worker: Worker, table, prev: DecodeStep, out, step: DecodeStep, views: list[Request],
+             ends: Callable) -> list[int]:
+    """Give the copies prev's outputs; return the indices of the requests that go on."""
+    prev, result = out if isinstance(out, tuple) else (prev, out)      # prev was built ahead too, or not
+    at = {id(req): i for i, req in enumerate(prev.reqs)}
+    keep = []
+    for b, (req, view) in enumerate(zip(step.reqs, views)):
+        if _extend(view, result.tokens[at[id(req)]], ends):
+            worker.release(view)
+        else:
+            keep.append(b)
+    if keep:
+        js = [at[id(step.reqs[b])] for b in keep]
+        counts = [result.counts[j] for j in js]
+        gone_on = [views[b] for b in keep]
+        write_table(table, gone_on, counts, prev.slots[js][result.kept.to(prev.slots.device)[js]])
+        for view, n in zip(gone_on, counts):
+            view.kv_len += n
+    return keep
 
 
 def _extend(view: Request, tokens: Sequence[int], ends: Callable) -> bool:

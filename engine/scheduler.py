@@ -20,6 +20,7 @@ step, and its KV, which the forward may be reading, is released once the step is
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,6 +55,7 @@ class _InFlight(NamedTuple):
     result: Future                              # the worker's StepResult
     apply: Callable                             # apply(step, result) -> the requests it touched
     run: Callable                               # items -> touched: build, forward and apply, now
+    started: Optional[threading.Event] = None   # built ahead: set once its inputs are resolved
 
 
 class Scheduler:
@@ -292,11 +294,11 @@ class Scheduler:
                 and not any(drafter for _, drafter in self._release_later)
                 and self.kv.unused() >= self.worker.slots_per_request * len(reqs)):
             return None
-        step = self._decode_step(list(reqs))
+        step, started = self._decode_step(list(reqs)), threading.Event()
         launched = self._forwards.submit(forward_ahead, self.worker, self.kv.table, flight.step, flight.result,
-                                         step, copies(reqs), self._stop_reason)
-        return _InFlight(list(reqs), step, launched, self._apply_ahead, self._now(self._decode_step,
-                                                                                  self._apply_decode))
+                                         step, copies(reqs), self._stop_reason, started)
+        return _InFlight(list(reqs), step, launched, self._apply_ahead,
+                         self._now(self._decode_step, self._apply_decode), started)
 
     def _apply_ahead(self, step: DecodeStep, out: tuple[DecodeStep, Optional[StepResult]]) -> list[Request]:
         ran, result = out
@@ -320,13 +322,17 @@ class Scheduler:
         """Wait for a launched step and apply it; return the requests it touched. Requests that ended
         while it ran get nothing from it; their KV, which it may have read, is released once it is back
         (before applying it: in the order a scheduler without overlap releases it). A step built ahead
-        of this one (in self._in_flight) is cancelled where this one fails: its inputs never came."""
-        items, step, result, apply, run = flight
+        of this one (in self._in_flight) is applied after once it is under way, and cancelled where this
+        one fails: its inputs never came."""
+        items, step, result, apply, run = flight[:5]
+        ahead = self._in_flight
 
         def first(_) -> list[Request]:
             try:
                 try:
                     out = self._forward(step, result)
+                    if ahead is not None:
+                        ahead.started.wait()
                 finally:
                     self._release_waiting()
                 return apply(step, out)
