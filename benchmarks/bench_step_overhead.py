@@ -146,7 +146,8 @@ def main() -> None:
     flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx512", "amx"))}) \
         if Path("/proc/cpuinfo").exists() else []
     print(f"# {platform.processor() or platform.machine()}, {a.threads} threads, flags: {' '.join(flags)}")
-    print("| checkout | algo | batch | decode steps | step ms | model ms | worker host ms | scheduler ms | host share |")
+    print("| checkout | algo | batch | decode steps | step ms | model ms | worker host ms | scheduler ms "
+          "| host share |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for algo in a.algos.split(","):
         for batch in map(int, a.batch_sizes.split(",")):

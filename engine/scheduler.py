@@ -9,12 +9,16 @@ radix cache (or is freed) and they wait to resume, recomputing only what was evi
 request is dropped: one that cannot fit even alone is finished with an "abort" reason that says what
 to raise.
 
-With the overlap scheduler (--enable-overlap-schedule, SGLang's spec v2) a step's forward runs on a
-thread of its own and its result is applied at the next step(), before that step is scheduled; step()
-returns the previous step's requests while the forward just launched runs, so their text is decoded,
-and the caller streams them, meanwhile. Every step is scheduled from the same state as without it,
-so outputs are the same. A request that ends while its step runs (an abort) gets nothing from that
-step, and its KV, which the forward may be reading, is released once the step is back.
+With the overlap scheduler (--enable-overlap-schedule, SGLang's spec v2) forwards run on a thread of
+their own, and step() returns the previous step's requests while the next forward runs, so their text is
+decoded, and the caller streams them, meanwhile. A decode step is built ahead where it is sure to be the
+next one (engine/ahead.py; _launch_ahead says when it is not): while step N's forward runs, step() takes
+step N+1's KV slots, copies its requests and queues its forward behind N's; the forward thread resolves
+N+1 from N's result (tokens, cached lengths, table entries, the requests N finished left out) and runs
+it without waiting, and step() applies N once N+1 is under way. Otherwise step() applies N and then
+schedules N+1, as without overlap. Either way the worker sees the batches it would see without overlap,
+so outputs are the same. A request that ends while its step runs (an abort) gets nothing from that step,
+and its KV, which the forward may be reading, is released once the step is back.
 """
 
 from __future__ import annotations
@@ -355,7 +359,7 @@ class Scheduler:
             try:
                 ahead.result.result()
             except Exception:
-                pass                # it ran nothing: the step it follows failed
+                pass                # it ran nothing where the step it follows failed
             self.kv.free(ahead.step.slots.flatten())
 
     def _forward(self, step, launched: Optional[Future] = None) -> StepResult:
