@@ -29,7 +29,7 @@ from engine.worker import Worker
 
 def copies(reqs: Sequence[Request]) -> list[Request]:
     """The requests as the worker sees them in a step built ahead: shallow copies with a token list of
-    their own, which resolve() extends."""
+    their own, which _resolve extends."""
     out = []
     for req in reqs:
         view = copy.copy(req)

@@ -2,8 +2,9 @@
 what comes out: overlap on and off stream the same outputs, update by update, for plain decoding and
 every speculative algorithm with chain drafts, greedy and seeded sampling, with stop tokens, stop
 strings, max_new_tokens, logprobs, retraction and an abort while the request's step is in flight; every
-KV slot comes back. SGLANG_ENABLE_SPEC_V2 (or SPEC_ENABLE_SPEC_V2) and the flag turn it on, and trees
-(topk > 1) are refused as SGLang refuses them."""
+KV slot comes back. Decode steps built ahead (before the previous step is applied) give the worker the
+very batches it sees without overlap. SGLANG_ENABLE_SPEC_V2 (or SPEC_ENABLE_SPEC_V2) and the flag turn
+it on, and trees (topk > 1) are refused as SGLang refuses them."""
 
 from __future__ import annotations
 
