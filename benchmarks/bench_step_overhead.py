@@ -6,8 +6,11 @@
 Greedy, fp32, MT-Bench first turns through the chat template, `--max-new-tokens` each, all requests
 of a batch admitted together. Every decode step is timed as a whole (`Engine.step`) and, inside it, the
 time spent in the target model's forward and lm_head (the draft model's too, for model-based drafts);
-the rest is host time: scheduling, batch building, sampling, verification, bookkeeping. Printed per
-(algorithm, batch size): median step ms, median model ms, median host ms and its share of the step.
+the rest is host time, split in two: the worker's (batch building, drafting bookkeeping, sampling,
+verification, the host copy: inside `Worker.forward`, which the overlap scheduler runs on its forward
+thread) and the scheduler's (applying the previous step, scheduling, slot allocation: what the overlap
+scheduler runs while a forward runs). Printed per (algorithm, batch size): median step ms, median model
+ms, median worker and scheduler host ms, and the host share of all steps' time.
 
 With --other-checkout DIR the same measurement runs in a subprocess on DIR's engine (another commit's
 worktree), interleaved with this checkout's, case by case, so both see the same machine state.
@@ -64,20 +67,23 @@ def _decode_steps(eng) -> int:
     return stats["decode_steps"]
 
 
-def decode_step_times(eng, reqs, acc: list) -> tuple[list[float], list[float]]:
-    """Run `reqs` to the end, step by step: the wall time of every decode step, and what the `_timed`
-    accumulator `acc` gathered during it."""
+def decode_step_times(eng, reqs, accs: list[list]) -> tuple[list[float], list[list[float]]]:
+    """Run `reqs` to the end, step by step: the wall time of every decode step, and per `_timed`
+    accumulator in `accs`, what it gathered during each."""
     for r in reqs:
         eng.add_request(r)
-    steps, inner = [], []
+    steps, inner = [], [[] for _ in accs]
     while not all(r.finished for r in reqs):
-        before, acc[0] = _decode_steps(eng), 0.0
+        before = _decode_steps(eng)
+        for acc in accs:
+            acc[0] = 0.0
         t = time.perf_counter()
         eng.step()
         dt = time.perf_counter() - t
         if _decode_steps(eng) > before:
             steps.append(dt)
-            inner.append(acc[0])
+            for acc, times in zip(accs, inner):
+                times.append(acc[0])
     return steps, inner
 
 
@@ -92,7 +98,9 @@ def measure(model: str, algo: str, batch: int, max_new: int, threads: int, tree:
         ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"), tree))}
     eng = Engine(model_path=model, dtype="float32", max_total_tokens=64 * 1024, max_running_requests=max(batch, 1),
                  context_length=4096, **kw)
-    model_time = [0.0]
+    model_time, worker_time = [0.0], [0.0]
+    worker = eng._scheduler.worker if hasattr(eng, "_scheduler") else eng.worker
+    worker.forward = _timed(worker.forward, worker_time)
     for m in _models(eng):
         m.forward = _timed(m.forward, model_time)
         if hasattr(m, "compute_logits"):
@@ -101,12 +109,14 @@ def measure(model: str, algo: str, batch: int, max_new: int, threads: int, tree:
     prompts = prompts_for(eng.tokenizer, batch)
     eng.generate(input_ids=prompts[0], sampling_params={**params, "max_new_tokens": 8})     # warm-up
     reqs = [eng.make_request(p, SamplingParams.from_dict(params)) for p in prompts]
-    steps, models = decode_step_times(eng, reqs, model_time)
+    steps, (models, workers) = decode_step_times(eng, reqs, [model_time, worker_time])
     host = [s - m for s, m in zip(steps, models)]
     tokens = sum(len(r.output_ids) for r in reqs)
     return {"algo": algo, "batch": batch, "steps": len(steps), "tokens": tokens,
             "step_ms": 1e3 * statistics.median(steps), "model_ms": 1e3 * statistics.median(models),
-            "host_ms": 1e3 * statistics.median(host), "host_share": sum(host) / sum(steps)}
+            "worker_ms": 1e3 * statistics.median(w - m for w, m in zip(workers, models)),
+            "scheduler_ms": 1e3 * statistics.median(s - w for s, w in zip(steps, workers)),
+            "host_share": sum(host) / sum(steps)}
 
 
 def _run_child(checkout: Path, case: dict) -> dict:
@@ -136,8 +146,9 @@ def main() -> None:
     flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx512", "amx"))}) \
         if Path("/proc/cpuinfo").exists() else []
     print(f"# {platform.processor() or platform.machine()}, {a.threads} threads, flags: {' '.join(flags)}")
-    print("| checkout | algo | batch | decode steps | step ms | model ms | host ms | host share |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| checkout | algo | batch | decode steps | step ms | model ms | worker host ms | scheduler ms "
+          "| host share |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for algo in a.algos.split(","):
         for batch in map(int, a.batch_sizes.split(",")):
             case = {"model": a.model, "algo": algo, "batch": batch, "max_new": a.max_new_tokens, "threads": a.threads,
@@ -146,7 +157,7 @@ def main() -> None:
             for name, checkout in runs:
                 r = _run_child(checkout, case)
                 print(f"| {name} | {algo} | {batch} | {r['steps']} | {r['step_ms']:.1f} | {r['model_ms']:.1f} | "
-                      f"{r['host_ms']:.1f} | {100 * r['host_share']:.0f}% |", flush=True)
+                      f"{r['worker_ms']:.2f} | {r['scheduler_ms']:.2f} | {100 * r['host_share']:.0f}% |", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,17 +9,22 @@ radix cache (or is freed) and they wait to resume, recomputing only what was evi
 request is dropped: one that cannot fit even alone is finished with an "abort" reason that says what
 to raise.
 
-With the overlap scheduler (--enable-overlap-schedule, SGLang's spec v2) a step's forward runs on a
-thread of its own and its result is applied at the next step(), before that step is scheduled; step()
-returns the previous step's requests while the forward just launched runs, so their text is decoded,
-and the caller streams them, meanwhile. Every step is scheduled from the same state as without it,
-so outputs are the same. A request that ends while its step runs (an abort) gets nothing from that
-step, and its KV, which the forward may be reading, is released once the step is back.
+With the overlap scheduler (--enable-overlap-schedule, SGLang's spec v2) forwards run on a thread of
+their own, and step() returns the previous step's requests while the next forward runs, so their text is
+decoded, and the caller streams them, meanwhile. A decode step is built ahead where it is sure to be the
+next one (engine/ahead.py; _launch_ahead says when it is not): while step N's forward runs, step() takes
+step N+1's KV slots, copies its requests and queues its forward behind N's; the forward thread resolves
+N+1 from N's result (tokens, cached lengths, table entries, the requests N finished left out) and runs
+it without waiting, and step() applies N once N+1 is under way. Otherwise step() applies N and then
+schedules N+1, as without overlap. Either way the worker sees the batches it would see without overlap,
+so outputs are the same. A request that ends while its step runs (an abort) gets nothing from that step,
+and its KV, which the forward may be reading, is released once the step is back.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +32,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
+from engine.ahead import copies, forward_ahead
 from engine.config import ServerArgs
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import DistributedError
@@ -53,6 +59,7 @@ class _InFlight(NamedTuple):
     result: Future                              # the worker's StepResult
     apply: Callable                             # apply(step, result) -> the requests it touched
     run: Callable                               # items -> touched: build, forward and apply, now
+    started: Optional[threading.Event] = None   # built ahead: set once its inputs are resolved
 
 
 class Scheduler:
@@ -74,7 +81,9 @@ class Scheduler:
         self._forwards = (ThreadPoolExecutor(1, thread_name_prefix="spec-forward")
                           if args.enable_overlap_schedule else None)
         self._in_flight: Optional[_InFlight] = None
-        self._release_later: list[Request] = []         # ended while their step ran
+        # Ended while a step that may read their KV ran: (request, whether its drafter state is still to
+        # release: not where a step built ahead dropped it).
+        self._release_later: list[tuple[Request, bool]] = []
         self.set_worker(worker, args)
 
     def set_worker(self, worker: Worker, args: ServerArgs) -> None:
@@ -130,12 +139,17 @@ class Scheduler:
         """Run one forward's worth of work; return the requests that got tokens or finished (including
         those finished between steps: aborted, or refused at admission). Overlap scheduler: apply the
         step in flight, launch the next, and return the applied step's requests."""
-        touched = self.drain()
-        scheduled = self._schedule_prefill()
-        if scheduled:
-            touched += self._run_prefill(scheduled)
-        elif self.running:
-            touched += self._run_decode()
+        flight = self._in_flight
+        self._in_flight = flight and self._launch_ahead(flight)
+        touched = self._settle(flight) if flight else []
+        if self._in_flight is not None and all(r.finished for r in self._in_flight.step.reqs):
+            self.drain()            # built ahead for requests that flight finished: it runs none of them
+        if self._in_flight is None:
+            scheduled = self._schedule_prefill()
+            if scheduled:
+                touched += self._run_prefill(scheduled)
+            elif self.running:
+                touched += self._run_decode()
         self._decode_text(touched)          # overlap scheduler: while the step just launched runs
         seen = {id(r) for r in touched}
         out = touched + [r for r in self._finished_now if id(r) not in seen]
@@ -147,11 +161,12 @@ class Scheduler:
         # One step's transient slots (a draft tree) plus a few tokens of growth per request.
         return sum(self.worker.slots_per_request + min(r.remaining_tokens(), _RESERVE_TOKENS) for r in reqs)
 
-    def _release_kv(self, req: Request) -> None:
+    def _release_kv(self, req: Request, drafter: bool = True) -> None:
         if self._in_flight is not None:     # the forward may be reading its KV and drafter state
-            self._release_later.append(req)
+            self._release_later.append((req, drafter))
             return
-        self.worker.release(req)        # first: a drafter may clear state kept by the request's table row
+        if drafter:
+            self.worker.release(req)    # first: a drafter may clear state kept by the request's table row
         self.kv.release(req)
 
     # ------------------------------------------------------------------ prefill
@@ -254,16 +269,46 @@ class Scheduler:
     # ------------------------------------------------------------------ running a step
     def _run(self, items: list, build: Callable, apply: Callable) -> list[Request]:
         """Build the step of `items`, run its forward, apply the result; return the requests it touched.
-        Overlap scheduler: launch the forward and return; drain() applies it."""
+        Overlap scheduler: launch the forward and return; the next step() applies it."""
+        if self._forwards is None:
+            return self._isolating(items, self._now(build, apply))
+        step = build(items)
+        self._in_flight = _InFlight(items, step, self._forwards.submit(self.worker.forward, step), apply,
+                                    self._now(build, apply))
+        return []
+
+    def _now(self, build: Callable, apply: Callable) -> Callable:
         def run(items: list) -> list[Request]:
             step = build(items)
             return apply(step, self._forward(step))
+        return run
 
-        if self._forwards is None:
-            return self._isolating(items, run)
-        step = build(items)
-        self._in_flight = _InFlight(items, step, self._forwards.submit(self.worker.forward, step), apply, run)
-        return []
+    def _launch_ahead(self, flight: _InFlight) -> Optional[_InFlight]:
+        """Overlap scheduler: queue the decode step that follows `flight` before flight's result is known
+        (engine/ahead.py), where that step is sure to be the one scheduled after it: a decode of the same
+        requests, less those flight's tokens finish. None where the next step must wait for flight's
+        result: a prefill is due (requests waiting, a prompt part-way), flight is a prefill, a request's
+        stop test needs its text (stop strings) or its grammar, hidden states are captured, a request
+        that ended meanwhile has drafter state to release, or KV is short (only free slots are taken, so
+        that nothing is evicted or retracted earlier than without building ahead)."""
+        reqs = self.running
+        if not (isinstance(flight.step, DecodeStep) and reqs and not self.waiting and self.prefilling is None
+                and [r for r in flight.step.reqs if not r.finished] == reqs and not self.worker.capture
+                and all(r.grammar is None and not r.params.stop for r in reqs)
+                and not any(drafter for _, drafter in self._release_later)
+                and self.kv.unused() >= self.worker.slots_per_request * len(reqs)):
+            return None
+        step, started = self._decode_step(list(reqs)), threading.Event()
+        launched = self._forwards.submit(forward_ahead, self.worker, self.kv.table, flight.step, flight.result,
+                                         step, copies(reqs), self._stop_reason, started)
+        return _InFlight(list(reqs), step, launched, self._apply_ahead,
+                         self._now(self._decode_step, self._apply_decode), started)
+
+    def _apply_ahead(self, step: DecodeStep, out: tuple[DecodeStep, Optional[StepResult]]) -> list[Request]:
+        ran, result = out
+        ids = {id(r) for r in ran.reqs}
+        self.kv.free(step.slots[[b for b, r in enumerate(step.reqs) if id(r) not in ids]].flatten())
+        return self._apply_decode(ran, result) if ran.reqs else []
 
     def close(self) -> None:
         """Stop the forward thread (overlap scheduler), after applying the step in flight."""
@@ -273,17 +318,49 @@ class Scheduler:
 
     def drain(self) -> list[Request]:
         """Overlap scheduler: wait for the step in flight and apply it, launching none; return the
-        requests it touched. Requests that ended meanwhile get nothing from it; their KV is released now."""
-        if self._in_flight is None:
-            return []
-        items, step, result, apply, run = self._in_flight
-        self._in_flight = None
-        try:
-            return self._isolating(items, run, first=lambda _: apply(step, self._forward(step, result)))
-        finally:
-            for req in self._release_later:
-                self._release_kv(req)
-            self._release_later.clear()
+        requests it touched."""
+        flight, self._in_flight = self._in_flight, None
+        return self._settle(flight) if flight else []
+
+    def _settle(self, flight: _InFlight) -> list[Request]:
+        """Wait for a launched step and apply it; return the requests it touched. Requests that ended
+        while it ran get nothing from it; their KV, which it may have read, is released once it is back
+        (before applying it: in the order a scheduler without overlap releases it). A step built ahead
+        of this one (in self._in_flight) is applied after once it is under way, and cancelled where this
+        one fails: its inputs never came."""
+        items, step, result, apply, run = flight[:5]
+        ahead = self._in_flight
+
+        def first(_) -> list[Request]:
+            try:
+                try:
+                    out = self._forward(step, result)
+                    if ahead is not None:
+                        ahead.started.wait()
+                finally:
+                    self._release_waiting()
+                return apply(step, out)
+            except Exception:
+                self._cancel_ahead()
+                raise
+
+        return self._isolating(items, run, first=first)
+
+    def _release_waiting(self) -> None:
+        waiting, self._release_later = self._release_later, []
+        for req, drafter in waiting:
+            if drafter:             # never while a step built ahead runs (_launch_ahead waits for these)
+                self.worker.release(req)
+            self.kv.release(req)
+
+    def _cancel_ahead(self) -> None:
+        ahead, self._in_flight = self._in_flight, None
+        if ahead is not None:
+            try:
+                ahead.result.result()
+            except Exception:
+                pass                # it ran nothing where the step it follows failed
+            self.kv.free(ahead.step.slots.flatten())
 
     def _forward(self, step, launched: Optional[Future] = None) -> StepResult:
         try:
@@ -377,7 +454,9 @@ class Scheduler:
                     raise RuntimeError(f"the grammar refused committed token {tok}")
                 reason = self._stop_reason(req, tok)
                 if reason is not None:
-                    self._finish(req, reason)
+                    # A step built ahead holding the request dropped it, by the same test, and released
+                    # its drafter state (engine/ahead.py).
+                    self._finish(req, reason, drafter=self._in_flight is None or req not in self._in_flight.step.reqs)
                     return True
         except Exception as exc:
             log.exception("request %s failed after its step; ending it", req.rid)
@@ -386,6 +465,8 @@ class Scheduler:
         return False
 
     def _stop_reason(self, req: Request, tok: int) -> Optional[FinishReason]:
+        """Whether appending tok finished the request. Reads nothing but the request and, where it has
+        stop strings, changes its text state: without them, the forward thread tests copies with it."""
         p = req.params
         if tok in p.stop_token_ids:
             return FinishReason("stop", matched=tok)
@@ -405,14 +486,14 @@ class Scheduler:
             return FinishReason("length")
         return None
 
-    def _finish(self, req: Request, reason: FinishReason) -> None:
+    def _finish(self, req: Request, reason: FinishReason, drafter: bool = True) -> None:
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
         if self.prefilling is req:
             self.prefilling = None
-        self._release_kv(req)
+        self._release_kv(req, drafter)
         try:
             req.text += req.detok.catch_up(req.token_ids)
             req.text += req.detok.step(req.token_ids, final=True)

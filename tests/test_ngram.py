@@ -175,15 +175,16 @@ def test_worker_learns_incrementally_and_shares_across_requests():
     w = worker(steps=3, topk=1, draft_tokens=4)
     a = request([20, 21, 22, 23, 24, 25])
     b = request([7, 21, 22])
+    a.row, b.row = 0, 1                                    # its state is kept by table row
     trees = w.draft(DecodeStep([a, b], torch.zeros(2, 4, dtype=torch.long)))
-    assert w.learned[a] == 6 and w.learned[b] == 3
+    assert w.learned[a.row] == 6 and w.learned[b.row] == 3
     assert trees.tokens[1].tolist() == [22, 23, 24, 25]      # b is drafted from a's prompt
     a.token_ids += [30, 31]
     w.draft(DecodeStep([a], torch.zeros(1, 4, dtype=torch.long)))
-    assert w.learned[a] == 8 and w.cache.match([25, 30])[1] == {31: 1}
+    assert w.learned[a.row] == 8 and w.cache.match([25, 30])[1] == {31: 1}
     a.token_ids.append(32)
     w.release(a)                                           # the last tokens are learned, the state dropped
-    assert a not in w.learned and w.cache.match([31])[1] == {32: 1}
+    assert a.row not in w.learned and w.cache.match([31])[1] == {32: 1}
 
 
 # ------------------------------------------------------------------ end to end

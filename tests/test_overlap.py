@@ -2,8 +2,9 @@
 what comes out: overlap on and off stream the same outputs, update by update, for plain decoding and
 every speculative algorithm with chain drafts, greedy and seeded sampling, with stop tokens, stop
 strings, max_new_tokens, logprobs, retraction and an abort while the request's step is in flight; every
-KV slot comes back. SGLANG_ENABLE_SPEC_V2 (or SPEC_ENABLE_SPEC_V2) and the flag turn it on, and trees
-(topk > 1) are refused as SGLang refuses them."""
+KV slot comes back. Decode steps built ahead (before the previous step is applied) give the worker the
+very batches it sees without overlap. SGLANG_ENABLE_SPEC_V2 (or SPEC_ENABLE_SPEC_V2) and the flag turn
+it on, and trees (topk > 1) are refused as SGLang refuses them."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from engine import Engine
 from engine.config import ServerArgs
 from engine.errors import ConfigError
 from engine.sampling_params import SamplingParams
+from engine.step import DecodeStep
 from tests.test_cli import assert_user_error, run
 from tests.test_server import Hold, _args, _idle, serve, sse, wait_for
 from tests.test_speculative_lossless import ALGOS, draft_setup
@@ -113,11 +115,13 @@ def test_overlap_retracts_as_without_it(algo, target, tmp_path):
     """A KV pool too small for every request at once: requests are retracted and resumed the same way."""
     params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     outs = []
-    for eng in engines(algo, target, tmp_path, max_total_tokens=90):
+    off, on = engines(algo, target, tmp_path, max_total_tokens=90)
+    built = count_built_ahead(on)
+    for eng in (off, on):
         outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts(), sampling_params=params)])
         assert eng.stats()["retractions"] > 0
         assert_all_kv_back(eng)
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] and built           # steps built ahead between the retractions
 
 
 def run_aborting(eng: Engine, at_tokens: int) -> tuple[list, int]:
@@ -172,10 +176,12 @@ def test_a_failed_step_whose_culprit_was_aborted_meanwhile(target, tmp_path, mon
     params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
     clean = off.generate(input_ids=prompts()[0], sampling_params=params)["output_ids"]
     good, bad = (on.make_request(p, SamplingParams.from_dict(params)) for p in prompts()[:2])
-    decode = on._scheduler.worker._decode
+    decode, failed = on._scheduler.worker._decode, []
 
     def failing(step):
-        if bad in step.reqs and bad.num_output >= 3:
+        held = [r for r in step.reqs if r.rid == bad.rid]         # a copy in a step built ahead
+        if held and held[0].num_output >= 3:
+            failed.append(step)
             raise RuntimeError("injected failure")
         return decode(step)
 
@@ -187,7 +193,7 @@ def test_a_failed_step_whose_culprit_was_aborted_meanwhile(target, tmp_path, mon
     on.abort(bad.rid)                               # its failing step is running
     while on.has_work:
         on.step()
-    assert bad.finish_reason.type == "abort" and bad.finish_reason.status_code is None
+    assert failed and bad.finish_reason.type == "abort" and bad.finish_reason.status_code is None
     assert good.finish_reason.type == "length" and good.output_ids == clean
     assert_all_kv_back(on)
 
@@ -219,6 +225,119 @@ def test_server_streams_and_aborts_with_overlap(tmp_path):
             wait_for(hold.aborted, "the server to abort the disconnected stream")
         m = live.wait_metrics(lambda m: _idle(m) and m.get('spec_requests_total{finish_reason="abort"}', 0) == 1)
         assert m['spec_requests_total{finish_reason="abort"}'] == 1 and _idle(m)
+
+
+# ---------------------------------------------------------------------------------- decode steps built ahead
+def record_decode_batches(eng: Engine) -> list:
+    """Per decode forward, what the worker saw: (rid, tokens so far, cached length) per request."""
+    batches, worker = [], eng._scheduler.worker
+    forward = worker.forward
+
+    def recording(step):
+        if isinstance(step, DecodeStep):
+            batches.append([(r.rid, len(r.token_ids), r.kv_len) for r in step.reqs])
+        return forward(step)
+
+    worker.forward = recording
+    return batches
+
+
+def count_built_ahead(eng: Engine) -> list:
+    """The decode steps the scheduler builds ahead (before the previous step's result is applied)."""
+    built, sched = [], eng._scheduler
+    launch = sched._launch_ahead
+
+    def recording(flight):
+        ahead = launch(flight)
+        if ahead is not None:
+            built.append(ahead)
+        return ahead
+
+    sched._launch_ahead = recording
+    return built
+
+
+@pytest.mark.parametrize("algo", [None] + ALGOS)
+@pytest.mark.parametrize("kv", [4096, 90])
+def test_steps_built_ahead_run_what_runs_without_overlap(algo, kv, target, tmp_path):
+    """Without stop strings or grammars, decode steps are built ahead, and the worker sees the same
+    batches as without overlap, step for step: requests that a step finishes (stop token, EOS,
+    max_new_tokens) are not in the next one, tokens and cached lengths are resolved from the previous
+    step. So outputs are the same, under KV pressure too (90 slots), and every slot comes back."""
+    off, on = engines(algo, target, tmp_path, max_total_tokens=kv)
+    greedy = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
+    tok = [eng.generate(input_ids=prompts()[1], sampling_params=greedy)["output_ids"][6] for eng in (off, on)][0]
+    params = [{"temperature": 0, "max_new_tokens": 9, "ignore_eos": True},
+              {"temperature": 0, "max_new_tokens": 30, "stop_token_ids": [tok], "ignore_eos": True},
+              {"temperature": 0, "max_new_tokens": 17},
+              {"temperature": 0.9, "seed": 3, "max_new_tokens": 21, "ignore_eos": True},
+              {"temperature": 0.7, "top_p": 0.9, "seed": 11, "max_new_tokens": 26, "ignore_eos": True}]
+    off.flush_cache()
+    on.flush_cache()
+    batches = {eng: record_decode_batches(eng) for eng in (off, on)}
+    built = count_built_ahead(on)
+    want = streamed(off, params, return_logprob=True, top_logprobs_num=2)
+    got = streamed(on, params, return_logprob=True, top_logprobs_num=2)
+    assert got == want
+    # Most steps are built ahead; under KV pressure fewer (waiting requests, slots short).
+    assert batches[on] == batches[off] and len(built) > len(batches[on]) // (2 if kv == 4096 else 4)
+    assert on.stats()["retractions"] == off.stats()["retractions"]
+    assert_all_kv_back(on)
+    on.shutdown()
+
+
+def test_the_next_step_is_built_while_the_previous_runs(target, tmp_path):
+    """With step N's forward held on the forward thread, step() builds and queues step N+1 (its slots
+    taken) before N's tokens are known; once N is let go, the run ends as without overlap."""
+    off, on = engines(None, target, tmp_path)
+    greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    want = off.generate(input_ids=prompts()[:2], sampling_params=greedy)
+    params = SamplingParams.from_dict(greedy)
+    sched, held, launched = on._scheduler, threading.Event(), threading.Event()
+    decode, launch = sched.worker._decode, sched._launch_ahead
+
+    def holding(step):
+        assert held.wait(120), "the test never let the step go"
+        return decode(step)
+
+    def recording(flight):
+        ahead = launch(flight)
+        if ahead is not None:
+            launched.set()
+        return ahead
+
+    sched.worker._decode, sched._launch_ahead = holding, recording
+    reqs = [on.make_request(p, params) for p in prompts()[:2]]
+    for req in reqs:
+        on.add_request(req)
+    on.step()                                       # launches the prefill
+    on.step()                                       # applies it, launches decode step N (held)
+    free = on._kv.unused()
+    stepping = threading.Thread(target=on.step)     # builds N + 1, then waits for N
+    stepping.start()
+    wait_for(launched, "step N + 1 to be built")
+    assert [r.num_output for r in reqs] == [1, 1]   # N's tokens are not known yet
+    assert on._kv.unused() == free - 2 * sched.worker.slots_per_request
+    held.set()
+    stepping.join()
+    while on.has_work:
+        on.step()
+    assert [r.output_ids for r in reqs] == [o["output_ids"] for o in want]
+    assert_all_kv_back(on)
+    on.shutdown()
+
+
+def test_stop_strings_are_not_built_ahead(target, tmp_path):
+    """A stop string is found in the text, which the forward thread does not have: while a request
+    with one runs, each step waits for the previous one's result."""
+    _, on = engines(None, target, tmp_path)
+    built = count_built_ahead(on)
+    on.generate(input_ids=prompts()[:2], sampling_params={"max_new_tokens": 12, "stop": ["zzzz"], "ignore_eos": True})
+    assert built == []
+    on.generate(input_ids=prompts()[:2], sampling_params={"max_new_tokens": 12, "ignore_eos": True})
+    assert built
+    assert_all_kv_back(on)
+    on.shutdown()
 
 
 # ---------------------------------------------------------------------------------- turning it on

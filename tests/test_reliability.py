@@ -64,7 +64,8 @@ def test_a_failing_request_fails_alone(algo, overlap, phase, target, tmp_path, m
         run = getattr(worker, f"_{phase}")
 
         def failing(step):
-            if bad in step.reqs and (phase == "prefill" or bad.num_output >= 3):
+            held = [r for r in step.reqs if r.rid == bad.rid]     # a copy in a step built ahead
+            if held and (phase == "prefill" or held[0].num_output >= 3):
                 raise RuntimeError("injected failure")
             return run(step)
 

@@ -48,6 +48,10 @@ class KVManager:
         """Slots that can be had now: free ones plus unlocked cached ones (evicted on demand)."""
         return self.allocator.available() + self.cached()
 
+    def unused(self) -> int:
+        """Slots free without evicting anything."""
+        return self.allocator.available()
+
     def cached(self) -> int:
         return self.radix.evictable_size() if self.radix else 0
 
@@ -102,11 +106,7 @@ class KVManager:
         entries of `slots` (flat, request after request)."""
         if not any(counts):
             return
-        # Index lists built on the host: a handful of tokens per request, cheaper than tensor arithmetic.
-        rows = [r.row for r, k in zip(reqs, counts) for _ in range(k)]
-        cols = [r.kv_len + j for r, k in zip(reqs, counts) for j in range(k)]
-        device = self.table.device
-        self.table[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = slots.to(device)
+        write_table(self.table, reqs, counts, slots)
         for req, k in zip(reqs, counts):
             req.kv_len += k
 
@@ -132,3 +132,14 @@ class KVManager:
     def _key(self, ids: Sequence[int], n: int) -> Sequence[int]:
         """Radix key of the first n positions: (token, next token) pairs, each as one int."""
         return [(a << 32) | b for a, b in zip(ids[:n], ids[1:n + 1])]
+
+
+def write_table(table: torch.Tensor, reqs: Sequence[Request], counts: Sequence[int], slots: torch.Tensor) -> None:
+    """Write the slots of counts[i] tokens after reqs[i]'s kv_len into its table row. Besides `commit`,
+    the forward thread calls it for a step built ahead (engine/ahead.py): the entries its forward reads
+    before the scheduler commits the previous step, which then writes the same values."""
+    # Index lists built on the host: a handful of tokens per request, cheaper than tensor arithmetic.
+    rows = [r.row for r, k in zip(reqs, counts) for _ in range(k)]
+    cols = [r.kv_len + j for r, k in zip(reqs, counts) for j in range(k)]
+    device = table.device
+    table[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = slots.to(device)

@@ -105,7 +105,9 @@ class NgramDrafter(Drafter):
         # before it has to compete for a draft slot.
         self.cache = NgramCache(self.min_window, self.max_window, args.speculative_ngram_capacity,
                                 2 * self.max_breadth)
-        self.learned: dict[Request, int] = {}     # tokens of each running request already in the cache
+        # Tokens of each running request already in the cache, by table row: the worker may see copies of
+        # a request (a step built ahead by the overlap scheduler, engine/ahead.py), never its row change.
+        self.learned: dict[Optional[int], int] = {}
 
     def breadth(self, match_len: int, depth: int) -> int:
         step = (self.max_breadth - self.min_breadth) / (self.max_window - self.min_window + 1)
@@ -124,12 +126,12 @@ class NgramDrafter(Drafter):
         # Learn the last accepted tokens too, then forget the request. A retracted request that comes
         # back is learned again from its start: its n-grams count twice, which only skews frequencies.
         self._learn(req)
-        self.learned.pop(req, None)
+        self.learned.pop(req.row, None)
 
     def _learn(self, req: Request) -> None:
-        done = self.learned.get(req, 0)
+        done = self.learned.get(req.row, 0)
         if done == req.seq_len:
             return
         start = max(0, done - self.max_window)
         self.cache.learn(req.token_ids[start:], done - start)
-        self.learned[req] = req.seq_len
+        self.learned[req.row] = req.seq_len
