@@ -224,6 +224,7 @@ def test_a_gguf_generates_as_served_unless_asked(tmp_path, monkeypatch):
     from engine.convert.generate import generation_format
     from engine.loader import convert_gguf
     from engine.models.prepack import native_bf16
+    from spec_kernels import cpu_w4a8
     from tests.test_loader import gguf_tokenizer, tiny_llama, write_tiny_gguf
 
     monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
@@ -233,7 +234,8 @@ def test_a_gguf_generates_as_served_unless_asked(tmp_path, monkeypatch):
     converted = convert_gguf(path)
     config = load_config(converted)
     native = "bfloat16" if native_bf16("cpu") else "float32"
-    assert generation_format(converted, config, "auto", "auto", "cpu") == (native, "int4")
+    served = "w4a8" if cpu_w4a8.kernel_name() == "avx512-vnni" else "int4"
+    assert generation_format(converted, config, "auto", "auto", "cpu") == (native, served)
     assert generation_format(converted, config, "auto", "float32", "cpu") == ("float32", "none")
     assert generation_format(converted, config, "none", "bfloat16", "cpu") == ("bfloat16", "none")
     assert generation_format(converted, config, "w8a8_int8", "auto", "cpu") == (native, "w8a8_int8")
