@@ -29,8 +29,8 @@ def _declare(library: ctypes.CDLL) -> None:
 
 
 _kernel = Kernel("cpu_w4a8.c", _declare,
-                 "the int4 x int8 CPU kernel is unavailable (%s): 4-bit weights run through torch's int4 kernel "
-                 "(slower, and an 8-token verify costs ~2x a step); install a C compiler (gcc) or set CC")
+                 "the w4a8 CPU kernel is unavailable (%s): --quantization auto serves GGUF files as int4 or "
+                 "w8a8_int8 instead (slower decoding); install a C compiler (gcc) or set CC")
 library, failure = _kernel.library, _kernel.failure
 
 
@@ -42,7 +42,7 @@ def kernel_name() -> Optional[str]:
 def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int = 4
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [N, K] (values below 2**bits, K a multiple of 32) and float scale/min [N, K / 32] -> the
-    kernel's layout (kernels/cpu_w4a8.c): uint8 [blocks, G, 64 * bits / 16, 64] and fp16 scale/min
+    kernel's layout (kernels/cpu_w4a8.c): uint8 [blocks, G, bits, 64] (4 or 8 vectors) and fp16 scale/min
     [blocks, G, 16], rows padded to blocks of 16 with zeros."""
     N, K = q.shape
     G, pad = K // GROUP, -N % 16
@@ -92,7 +92,7 @@ def call(layer: Layer, x: torch.Tensor) -> torch.Tensor:
     layer runs ~100 times a token)."""
     lib = library()
     if lib is None:
-        raise RuntimeError(f"int4 x int8 CPU kernel unavailable: {failure()}")
+        raise RuntimeError(f"w4a8 CPU kernel unavailable: {failure()}")
     rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, layer.K).contiguous()
     out = torch.empty((rows.shape[0], layer.N), dtype=x.dtype)
     if rows.shape[0] == 0:
