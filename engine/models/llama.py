@@ -246,13 +246,15 @@ class LlamaForCausalLM(nn.Module):
         # each `del`s its own before asking for the next.
         weights = local_weights(filter(lambda item: not is_mtp_weight(item[0], layers), weights))
         for name, tensor in fuse_weights(weights, pending):
-            if name in sinks:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                pass                            # the embedding is the head
+            elif name in sinks:
                 sinks.pop(name)(tensor)
             elif name in params:
                 with torch.no_grad():
                     params[name].copy_(tensor.to(params[name].dtype))
                 loaded.add(name)
-            elif "rotary_emb" not in name and not (name == "lm_head.weight" and self.tie_word_embeddings):
+            elif "rotary_emb" not in name:
                 raise KeyError(f"unexpected weight {name!r}")
             del tensor
         missing = sorted(set(params) - loaded) + sorted(sinks)
