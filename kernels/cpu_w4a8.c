@@ -118,6 +118,8 @@ static inline __attribute__((always_inline)) void block_dot(
     for (int g = 0; g < G; g++) {
         __m512i q[8];
         const uint8_t *wg = w + (int64_t)g * 64 * BITS;
+        for (int c = 0; c < BITS; c++)      /* the next block's same lines: a layer's first touch is DRAM's */
+            _mm_prefetch((const char *)(wg + 2 * (int64_t)G * 64 * BITS + 64 * c), _MM_HINT_T0);
         for (int c = 0; c < 4; c++) {
             const __m512i v = _mm512_loadu_si512((const void *)(wg + 64 * c));
             if (BITS == 8) {
