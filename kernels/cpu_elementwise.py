@@ -44,7 +44,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * bf16(x / sqrt(mean(x^2) + eps)) over the last dimension, x and weight bf16."""
     if torch.compiler.is_compiling():
         return torch.ops.spec.rms_norm_bf16(x, weight, eps)
-    x = _rows(x)
+    # Rows one stride apart: a matrix's rows as they lie (a column slice too), anything else made contiguous
+    # (Qwen3's q/k heads of one token are D apart, its tokens the fused projection's width).
+    if x.stride(-1) != 1 or (x.dim() > 2 and not x.is_contiguous()):
+        x = x.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     D = x.shape[-1]
     T = out.numel() // D

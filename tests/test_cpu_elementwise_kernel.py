@@ -21,6 +21,12 @@ def test_rms_norm_is_transformers_rmsnorm_in_bf16():
     assert ((y.float() - expected.float()).abs() <= expected.float().abs() * 2 ** -7).all()
     assert torch.equal(cpu_elementwise.rms_norm(x[3:4], w, 1e-5), y[3:4])
     assert torch.equal(cpu_elementwise.rms_norm(x.view(7, 1, 576), w, 1e-5).view(7, 576), y)
+    # heads of a fused projection's column slice (Qwen3's q/k norm): tokens 960 apart, heads 64
+    qkv = torch.randn(5, 960, generator=g).bfloat16()
+    heads = qkv[:, :768].view(5, 12, 64)
+    w64 = (torch.rand(64, generator=g) + 0.5).bfloat16()
+    assert torch.equal(cpu_elementwise.rms_norm(heads, w64, 1e-6), cpu_elementwise.rms_norm(heads.contiguous(), w64, 1e-6))
+    assert torch.equal(cpu_elementwise.rms_norm(qkv[:, 192:768], w, 1e-5)[2], cpu_elementwise.rms_norm(qkv[2:3, 192:768], w, 1e-5)[0])
 
 
 def test_rope_rotates_a_column_slice_as_torch_does():
