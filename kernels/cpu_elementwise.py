@@ -33,8 +33,8 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as rows [T, width] whose elements are contiguous within a row (a column slice of a wider
-    tensor, such as q/k of the fused q/k/v projection, is taken as it lies)."""
+    """x [T, heads, D] with each token's heads contiguous, tokens one stride apart (q/k of the fused
+    q/k/v projection are taken as they lie); otherwise a contiguous copy."""
     if x.stride(-1) == 1 and all(x.stride(i) == x.stride(i + 1) * x.shape[i + 1] for i in range(1, x.dim() - 1)):
         return x
     return x.contiguous()
@@ -51,7 +51,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype)
     D = x.shape[-1]
     T = out.numel() // D
-    library().spec_rms_norm_bf16(x.data_ptr(), x.stride(-2) if x.dim() > 1 else D, weight.data_ptr(),
+    # (A size-1 dimension's stride can be anything in a contiguous tensor: only a matrix's is read.)
+    library().spec_rms_norm_bf16(x.data_ptr(), x.stride(0) if x.dim() == 2 else D, weight.data_ptr(),
                                  out.data_ptr(), T, D, eps, torch.get_num_threads())
     return out
 
