@@ -1,4 +1,4 @@
-"""Building the C kernels of this folder (cpu_attention.c, cpu_w4a8.c) once per machine.
+"""Building the C kernels of this folder (cpu_attention.c, cpu_w4a8.c, cpu_elementwise.c) once per machine.
 
 A source is compiled when first needed with the system's C compiler (the one torch.compile needs
 too) for this CPU (-march=native, so each kernel picks its instructions from what the CPU has), into
@@ -73,6 +73,8 @@ class Kernel:
 
     def library(self) -> Optional[ctypes.CDLL]:
         """The built kernel, or None (the reason is logged once and kept in `failure()`)."""
+        if self._library is not None:   # called on every kernel call: no lock once built
+            return self._library
         with self._lock:
             if self._library is None and self._failure is None:
                 try:

@@ -107,9 +107,8 @@ class W4A8Linear(nn.Module):
         return cls(lambda r0, r1: round_to_groups(weight[r0:r1]), *weight.shape, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return torch.ops.spec.w4a8_linear(x, self.weight_packed, self.scale, self.low, self.bias,
-                                              self.out_features)
+        if torch.compiler.is_compiling():       # the opaque op: no struct kept across traces
+            return cpu_w4a8.linear(x, self.weight_packed, self.scale, self.low, self.bias, self.out_features)
         # The C struct, made on the first eager call (the bias loads after this layer is built) and
         # again if a tensor has moved.
         if self._layer is None or self._layer.weight != self.weight_packed.data_ptr() or (
