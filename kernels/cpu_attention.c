@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #define LANES 16
 #define MAX_HEAD_DIM 512

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #define LANES 16
 

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "kernels.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -199,14 +200,9 @@ static void block_rows(const uint8_t *w, const uint16_t *ws, const uint16_t *wm,
 #undef ROWS_CASES
 }
 
-/* A layer: `bits` (4 or 8) weights, scales and mins as described above for N rows (padded to blocks
- * of 16), bias [N] (fp32, or bf16 when bias_bf16) or NULL. Set up once per layer by the caller. */
-struct spec_w4a8_layer {
-    int64_t K, N, bits, bias_bf16;
-    const uint8_t *weight;
-    const uint16_t *scale, *low;
-    const void *bias;
-};
+/* A layer (struct spec_w4a8_layer, kernels.h): `bits` (4 or 8) weights, scales and mins as described
+ * above for N rows (padded to blocks of 16), bias [N] (fp32, or bf16 when bias_bf16) or NULL. Set up
+ * once per layer by the caller. */
 
 /* Per calling thread: the quantized activations, grown as needed and kept (no allocation per call). */
 static _Thread_local void *scratch;

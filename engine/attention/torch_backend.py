@@ -43,7 +43,7 @@ class _Metadata:
 
 
 @dataclass
-class _KeyLists:
+class KeyLists:
     """Per token, the slots of the keys it sees, in position order: kernels/cpu_attention.c reads them."""
     slots: torch.Tensor                    # [T, max_kv] int64 (the first `lens[t]` count)
     lens: torch.Tensor                     # [T] int64
@@ -77,7 +77,7 @@ class TorchAttentionBackend(AttentionBackend):
             # Decode: one query per request, which sees all its keys; only the padding needs masking
             # (always a mask, even when nothing is padded: a compiled forward then has one graph).
             if key_lists:
-                batch.attn = _KeyLists(kv_index, kv_len, torch.arange(B + 1, device=device), kv_len)
+                batch.attn = KeyLists(kv_index, kv_len, torch.arange(B + 1, device=device), kv_len)
                 return
             mask = (key_pos[None, :] < kv_len[:, None])[:, None, None, :]
             batch.attn = _Metadata(kv_index, mask, None, None, 1, self._buffers(kv_index))
@@ -98,7 +98,7 @@ class TorchAttentionBackend(AttentionBackend):
         if key_lists:
             slots, lens = _key_lists(kv_index, mask.view(B * max_new, max_kv)[unpad_index], unpad_index // max_new)
             starts = torch.cat([new.new_zeros(1), new.cumsum(0)])
-            batch.attn = _KeyLists(slots, lens, starts, prefix)
+            batch.attn = KeyLists(slots, lens, starts, prefix)
             return
         mask[:, :, 0] |= ~valid                 # padded query rows attend somewhere finite; dropped after
         offsets = new.cumsum(0) - new
@@ -122,7 +122,7 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, layer, batch, scale):
         self.kv_pool.store(layer, batch.out_slots, k, v)
         meta = batch.attn
-        if isinstance(meta, _KeyLists):
+        if isinstance(meta, KeyLists):
             return cpu_attention.attend(q, self.kv_pool.k[layer], self.kv_pool.v[layer], meta.slots, meta.lens, scale,
                                         meta.starts, meta.shared)
         B = meta.kv_index.shape[0]          # a tensor's size, not a list's length: symbolic when compiled

@@ -17,6 +17,7 @@ from engine.attention.base import AttentionBackend
 from engine.distributed import group as tp
 from engine.distributed.sharding import local_weights
 from engine.forward_batch import ForwardBatch
+from engine.models import fused_decode
 from engine.models.prepack import PrepackedLinear, prepack_linears
 from engine.models.quant import Int8Embedding
 from spec_kernels import cpu_elementwise
@@ -204,10 +205,11 @@ class LlamaForCausalLM(nn.Module):
         # Every layer's input is kept when some are asked for, and picked at the end: torch.compile
         # (2.13) drops tensors a loop adds to a container only on some iterations.
         states: list[torch.Tensor] | None = [] if batch.capture_hidden else None
-        for layer in self.model.layers:
+        fused = fused_decode.plan(self, h, rope, batch, backend)
+        for i, layer in enumerate(self.model.layers):
             if states is not None:
                 states.append(h)
-            h = layer(h, rope, batch, backend)
+            h = layer(h, rope, batch, backend) if fused is None else fused_decode.run(fused, i, h)
         captured: dict[int, torch.Tensor] = {}
         if states is not None:
             states.append(h)

@@ -109,12 +109,15 @@ class W4A8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():       # the opaque op: no struct kept across traces
             return cpu_w4a8.linear(x, self.weight_packed, self.scale, self.low, self.bias, self.out_features)
-        # The C struct, made on the first eager call (the bias loads after this layer is built) and
-        # again if a tensor has moved.
+        return cpu_w4a8.call(self.c_layer(), x)
+
+    def c_layer(self) -> cpu_w4a8.Layer:
+        """The C struct, made on the first eager call (the bias loads after this layer is built) and
+        again if a tensor has moved."""
         if self._layer is None or self._layer.weight != self.weight_packed.data_ptr() or (
                 self.bias is not None and self._layer.bias != self.bias.data_ptr()):
             self._layer = cpu_w4a8.layer(self.weight_packed, self.scale, self.low, self.bias, self.out_features)
-        return cpu_w4a8.call(self._layer, x)
+        return self._layer
 
     def dequantized(self) -> torch.Tensor:
         """The float weights [N, K] the layer computes with (for code that reads a head's rows)."""

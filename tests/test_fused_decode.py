@@ -1,0 +1,59 @@
+"""Decode steps with one C call per layer (engine/models/fused_decode.py) give the eager layers' bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.model_runner as model_runner
+from engine.models import fused_decode
+from spec_kernels import cpu_decoder, cpu_w4a8
+from tests.test_speculative_lossless import prompts as lossless_prompts
+from tests.tiny import make_model, tiny_engine
+
+pytestmark = pytest.mark.skipif(cpu_decoder.library() is None or cpu_w4a8.library() is None,
+                                reason="no C compiler")
+GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+
+
+def forwards(model_dir, monkeypatch, fused: bool, **kw):
+    """Every target forward's final hidden states and the number of fused layer calls."""
+    seen, calls = [], [0]
+    forward, run = model_runner.ModelRunner.forward, cpu_decoder.run
+
+    def recording_forward(self, batch, *args, **kwargs):
+        out = forward(self, batch, *args, **kwargs)
+        seen.append(out.hidden.clone())
+        return out
+
+    def counting_run(*args):
+        calls[0] += 1
+        return run(*args)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "forward", recording_forward)
+    monkeypatch.setattr(cpu_decoder, "run", counting_run)
+    if not fused:
+        monkeypatch.setattr(fused_decode, "plan", lambda *args: None)
+    eng = tiny_engine(model_dir, "NGRAM", tree=(3, 2, 6), quantization="w4a8", dtype="bfloat16", **kw)
+    outputs = [o["output_ids"] for o in eng.generate(input_ids=lossless_prompts(), sampling_params=GREEDY)]
+    stats = eng.stats()
+    eng.shutdown()
+    monkeypatch.undo()
+    return seen, outputs, calls[0], stats
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])        # qwen2: q/k/v biases
+def test_fused_layers_give_the_eager_layers_bits(arch, tmp_path, monkeypatch):
+    model = make_model(tmp_path, arch, layers=3, seed=5)
+    fused, fused_out, calls, stats = forwards(model, monkeypatch, fused=True)
+    eager, eager_out, none, _ = forwards(model, monkeypatch, fused=False)
+    assert calls > 0 and none == 0 and stats["spec_verify_ct"] > 0     # decode and verify steps ran fused
+    assert fused_out == eager_out and len(fused) == len(eager)
+    for a, b in zip(fused, eager):
+        assert torch.equal(a, b)
+
+
+def test_models_it_cannot_run_keep_their_layers(tmp_path, monkeypatch):
+    """Qwen3's q/k norms are not in the C layer; float32 is not either."""
+    _, _, calls, _ = forwards(make_model(tmp_path / "q3", "qwen3"), monkeypatch, fused=True)
+    assert calls == 0
