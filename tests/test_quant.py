@@ -176,3 +176,21 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     reference = logits[("dtype", "float32")]
     for kw in engines:
         assert (logits[kw] - reference).abs().max() < 0.05 * reference.abs().max(), kw
+
+
+@pytest.mark.parametrize("kind", ["w4a8", "int4"])
+@pytest.mark.parametrize("algo", ["STANDALONE", "EAGLE3"])
+def test_draft_quantization_quantizes_the_draft_and_stays_lossless(kind, algo, target, tmp_path):
+    """--speculative-draft-model-quantization acts on the draft's layers (a head's too); the output is
+    still the plain target's."""
+    if kind == "w4a8" and cpu_w4a8.library() is None:
+        pytest.skip("no C compiler")
+    prompts = lossless_prompts()
+    expected = [o["output_ids"] for o in tiny_engine(target).generate(input_ids=prompts, sampling_params=GREEDY)]
+    eng = tiny_engine(target, algo, tree=(3, 2, 6), speculative_draft_model_quantization=kind,
+                      **draft_setup(algo, target, tmp_path))
+    assert [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)] == expected
+    draft = eng._scheduler.worker.drafter.model
+    layer = draft.model.layers[0] if algo == "STANDALONE" else draft.midlayer
+    assert type(layer.mlp.gate_up_proj) is (W4A8Linear if kind == "w4a8" else Int4Linear)
+    assert eng.stats()["spec_verify_ct"] > 0
