@@ -34,9 +34,9 @@ class FusedLayers:
                           Hkv=attention.num_kv_heads, D=attention.head_dim,
                           eps=layers[0].input_layernorm.eps, scale=attention.scale)
         self.structs, self.linears = [], []     # the linears' structs, which the layers' point to, kept alive
-        for i, layer in enumerate(layers):
-            linears = [m.c_layer() for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                             layer.mlp.down_proj)]
+        for layer in layers:
+            attention, mlp, i = layer.self_attn, layer.mlp, layer.self_attn.layer
+            linears = [m.c_layer() for m in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             self.linears.append(linears)
             self.structs.append(cpu_decoder.layer(*linears, layer.input_layernorm.weight,
                                                   layer.post_attention_layernorm.weight, kv_pool.k[i], kv_pool.v[i]))
