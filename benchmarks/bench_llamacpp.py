@@ -9,7 +9,8 @@ run interleaved round by round (llama.cpp, spec, llama.cpp, ...), so a machine g
 quieter moves them alike; figures are medians over rounds and prompts.
 
 - llama.cpp plain: `llama-bench -p 0 -n N` (decode of N tokens after an empty prompt: its generation
-  speed does not depend on the text). Speculative: `llama-speculative-simple` with a draft model
+  speed does not depend on the text); its verify cost from `llama-bench -p 8 -n 16 -d 512` (an 8-token
+  batch against a decoded token, both after 512 cached tokens). Speculative: `llama-speculative-simple` with a draft model
   (`--spec-type draft-simple`, 8 draft tokens) or its n-gram cache (`--spec-type ngram-cache`), on the
   same prompts as spec; its "decoded ... speed" line.
 - spec: an Engine with the defaults (a GGUF's own 4-bit layers on the CPU), plain and speculative
@@ -77,9 +78,16 @@ def cpu_flags() -> str:
 
 
 def llama_plain(bin_dir: Path, gguf: Path, new_tokens: int) -> dict:
-    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", "2", "-p", "0", "-n", str(new_tokens),
-                          "-r", "1", "-o", "json"], check=True, capture_output=True, text=True).stdout
-    return {"tok_s": json.loads(out)[0]["avg_ts"]}
+    def bench(*args: str) -> list[dict]:
+        return json.loads(subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", "2", *args, "-o", "json"],
+                                         check=True, capture_output=True, text=True).stdout)
+
+    tok_s = bench("-p", "0", "-n", str(new_tokens), "-r", "1")[0]["avg_ts"]
+    # Its own verify cost, as spec's is measured: 8 tokens in one batch against 1, after 512 cached tokens.
+    runs = bench("-p", "8", "-n", "16", "-d", "512", "-r", "2")
+    batch8 = next(r["avg_ts"] for r in runs if r["n_prompt"] == 8)
+    step = next(r["avg_ts"] for r in runs if r["n_gen"] == 16)
+    return {"tok_s": tok_s, "verify8": 8 * step / batch8}
 
 
 def llama_speculative(bin_dir: Path, gguf: Path, prompt: str, new_tokens: int, draft: Path | None) -> dict:
