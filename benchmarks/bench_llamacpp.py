@@ -1,7 +1,8 @@
 """spec against llama.cpp on the same GGUF files: decode speed, speculative modes, verify cost, RSS,
 time to first request. llama.cpp on the same file is the yardstick for CPU speed.
 
-    python benchmarks/bench_llamacpp.py [--prompts 4] [--max-new-tokens 128] [--rounds 2] [--eagle3 DIR]
+    python benchmarks/bench_llamacpp.py [--prompts 4] [--max-new-tokens 128] [--rounds 2] [--eagle3 MODEL=DIR]
+                                        [--head-quantization w4a8]
 
 Greedy, batch 1, MT-Bench first turns (one per category) through each model's chat template, 2
 threads. Every case runs in a process of its own (its peak RSS is its own), and the cases of a model
@@ -177,6 +178,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--eagle3", action="append", default=[], metavar="MODEL=DIR",
                     help="an EAGLE-3 head for a model, e.g. smollm2-135m=drafts/smollm2-eagle3")
+    ap.add_argument("--head-quantization", help="also run each --eagle3 head in this weight format "
+                    "(--speculative-draft-model-quantization, e.g. w4a8)")
     ap.add_argument("--quantization", default="auto", help="spec's --quantization (auto, int4, w8a8_int8, none)")
     ap.add_argument("--compile", action="store_true", help="spec with --enable-torch-compile")
     ap.add_argument("--llama-bin", type=Path, help="llama.cpp tools built elsewhere")
@@ -204,7 +207,11 @@ def main() -> None:
             spec_cases["spec STANDALONE"] = {"speculative_algorithm": "STANDALONE",
                                              "speculative_draft_model_path": DRAFTS[model]}
         if model in heads:
-            spec_cases["spec EAGLE3"] = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": heads[model]}
+            eagle3 = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": heads[model]}
+            spec_cases["spec EAGLE3"] = eagle3
+            if a.head_quantization:
+                spec_cases[f"spec EAGLE3, {a.head_quantization} head"] = {
+                    **eagle3, "speculative_draft_model_quantization": a.head_quantization}
         common = {"quantization": a.quantization, "enable_torch_compile": a.compile, "context_length": 4096}
         spec_cases = {name: {**common, **spec} for name, spec in spec_cases.items()}
         results: dict[str, list[dict]] = {}
