@@ -115,7 +115,7 @@ def test_decode_steps_and_one_token_forwards_use_key_lists():
         batch, *_ = random_batch(0, [20] * 3, new)
         batch.decode_step = decode_step
         backend.prepare(batch)
-        assert isinstance(batch.attn, torch_backend._KeyLists) is expected, (new, decode_step)
+        assert isinstance(batch.attn, torch_backend.KeyLists) is expected, (new, decode_step)
 
 
 def test_gathers_when_the_kernel_cannot_be_built(monkeypatch):
@@ -123,7 +123,7 @@ def test_gathers_when_the_kernel_cannot_be_built(monkeypatch):
     batch, q, k, v = random_batch(3, [50] * 4, 1)
     backend = TorchAttentionBackend(pool_with_values())
     backend.prepare(batch)
-    assert not isinstance(batch.attn, torch_backend._KeyLists)
+    assert not isinstance(batch.attn, torch_backend.KeyLists)
     torch.testing.assert_close(backend.forward(q, k, v, 0, batch, D ** -0.5), attend(Gathering, batch, q, k, v))
 
 
@@ -132,7 +132,7 @@ def test_prefill_uses_key_lists_only_with_deterministic_inference(deterministic)
     backend = TorchAttentionBackend(pool_with_values(), batch_invariant_prefill=deterministic)
     batch, *_ = random_batch(0, [20, 0, 7], 9)
     backend.prepare(batch)
-    assert isinstance(batch.attn, torch_backend._KeyLists) is deterministic
+    assert isinstance(batch.attn, torch_backend.KeyLists) is deterministic
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
