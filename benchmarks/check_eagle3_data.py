@@ -4,10 +4,11 @@
 
 Feeds the first -n stored sequences (prompt and answer) to the target as one forward each, in the
 data's dtype and weight format, and compares its argmax at every answer position with the argmax the
-data phase stored there. Healthy data agrees at (nearly) every position: a greedy answer is the argmax
-chain, so only a near-tie rounded differently by a prefill and a decode step can differ. A
-Qwen2.5-Coder-1.5B run agreed at 47-77% (docs/convert.md): its answers were not the target's. Exits
-with status 1 when a sample agrees at under 95% of its answer positions.
+data phase stored there. Healthy data agrees at nearly every position: a greedy answer is the argmax
+chain, and only near-ties differ, rounded otherwise by one prefill than by the data phase's batched
+prefill and decode steps (bf16 Qwen2.5-Coder-1.5B data: 96-100% a sample). A run whose answers were
+not the target's agreed at 47-77% (docs/convert.md). Exits with status 1 when the mean over the
+samples is under 90%.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def main() -> None:
                  disable_radix_cache=True, context_length=4096)
     runner, kv = eng._target, eng._kv
     start = fed = 0
-    worst = 1.0
+    agreements = []
     for i, (length, prompt_len) in enumerate(zip(shard["lengths"].tolist()[:a.n], shard["prompt_lens"].tolist())):
         ids = shard["ids"][start:start + length]
         stored = shard["argmax"][fed:fed + length - 1]          # position t's argmax predicts token t + 1
@@ -50,10 +51,13 @@ def main() -> None:
         kv.free(slots)
         now = out.logits.argmax(-1)[prompt_len - 1:length - 1]
         agree = (now == stored[prompt_len - 1:].to(now.dtype)).float().mean().item()
-        worst = min(worst, agree)
+        agreements.append(agree)
         print(f"sample {i}: {length - prompt_len} answer tokens, the target's argmax agrees at {agree:.0%}")
     eng.shutdown()
-    sys.exit(0 if worst >= 0.95 else 1)
+    mean = sum(agreements) / max(len(agreements), 1)
+    print(f"mean agreement {mean:.1%} over {len(agreements)} samples: "
+          f"{'as the target produces it' if mean >= 0.9 else 'NOT what the target produces: do not train on it'}")
+    sys.exit(0 if mean >= 0.9 else 1)
 
 
 if __name__ == "__main__":
