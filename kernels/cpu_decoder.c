@@ -5,8 +5,8 @@
  * forward does one call at a time (engine/models/llama.py): RMSNorm, the fused q/k/v projection, rotary
  * embedding, the K/V store, attention over the paged pool, o_proj, the residual add, RMSNorm, gate/up,
  * SiLU * up, down and the residual add. So its output is bit for bit the eager forward's. What it saves
- * is what surrounds each kernel there: ~20 torch ops and 6 ctypes calls a layer, about a third of a
- * decode step on a small model.
+ * is what surrounds each kernel there: ~20 torch ops and 6 ctypes calls a layer, each kernel its own
+ * OpenMP fork and join: about half of a decode step on a small model (SmolLM2-135M).
  */
 #include <stdint.h>
 #include <stdlib.h>

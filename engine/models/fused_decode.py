@@ -1,6 +1,6 @@
 """Decode steps of a w4a8 Llama-family model in bf16 on the CPU, one C call per layer
 (kernels/cpu_decoder.c): the CPU's counterpart of a CUDA graph, which removes what surrounds each
-kernel in an eager layer (~20 torch ops and 6 ctypes calls; about a third of a SmolLM2-135M decode
+kernel in an eager layer (~20 torch ops and 6 ctypes calls; about half of a SmolLM2-135M decode
 step) and runs the same kernels on the same values, so the output is the eager forward's bit for bit.
 
 It applies to forwards whose attention goes through kernels/cpu_attention.c (decode steps, tree
@@ -62,7 +62,7 @@ _built: "weakref.WeakKeyDictionary[nn.Module, Union[FusedLayers, bool]]" = weakr
 def plan(model: nn.Module, h: torch.Tensor, rope, batch: ForwardBatch, backend) -> Optional[tuple]:
     """(the model's FusedLayers, this forward's Step) when this forward can run fused, else None."""
     if (h.dtype != torch.bfloat16 or h.device.type != "cpu" or not isinstance(batch.attn, KeyLists)
-            or torch.compiler.is_compiling()):
+            or backend.kv_pool.k[0].dtype != torch.bfloat16 or torch.compiler.is_compiling()):
         return None
     fused = _built.get(model)
     if fused is None:
