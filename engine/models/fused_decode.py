@@ -12,7 +12,7 @@ layer as before.
 from __future__ import annotations
 
 import weakref
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 import torch
 from torch import nn
@@ -56,7 +56,7 @@ class FusedLayers:
 
 
 # Per model: its FusedLayers (over the pool it last ran with), or False where it cannot run fused.
-_built: "weakref.WeakKeyDictionary[nn.Module, Union[FusedLayers, bool]]" = weakref.WeakKeyDictionary()
+_built: "weakref.WeakKeyDictionary[nn.Module, Union[FusedLayers, Literal[False]]]" = weakref.WeakKeyDictionary()
 
 
 def plan(model: nn.Module, h: torch.Tensor, rope, batch: ForwardBatch, backend) -> Optional[tuple]:
@@ -65,12 +65,11 @@ def plan(model: nn.Module, h: torch.Tensor, rope, batch: ForwardBatch, backend) 
             or backend.kv_pool.k[0].dtype != torch.bfloat16 or torch.compiler.is_compiling()):
         return None
     fused = _built.get(model)
-    if fused is None:
-        fused = _built[model] = _check(model) and cpu_decoder.library() is not None
+    if fused is None or (fused is not False and fused.kv_pool is not backend.kv_pool):
+        runnable = _check(model) and cpu_decoder.library() is not None
+        fused = _built[model] = FusedLayers(model, backend.kv_pool) if runnable else False
     if fused is False:
         return None
-    if fused is True or fused.kv_pool is not backend.kv_pool:
-        fused = _built[model] = FusedLayers(model, backend.kv_pool)
     return fused, fused.step(h, rope, batch)
 
 
