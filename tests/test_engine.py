@@ -126,6 +126,17 @@ def test_preemption_under_tiny_kv_budget(llama_dir, radix):
     assert (stats["kv_tokens_cached"] > 0) == radix
 
 
+def test_requests_in_waves_through_a_small_pool(llama_dir):
+    """More requests than run at once, in a pool they cycle through several times: each answer is the
+    one it gets alone. (Freed slots once stayed views of the request table: the rows' next requests
+    rewrote them, two requests got the same slots and read each other's KV once the pool wrapped.)"""
+    ps = prompts(12, seed=11, lo=10, hi=30)
+    params = {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}
+    alone = [engine(llama_dir).generate(input_ids=p, sampling_params=params)["output_ids"] for p in ps]
+    small = engine(llama_dir, max_total_tokens=160, max_running_requests=3, disable_radix_cache=True)
+    assert [o["output_ids"] for o in small.generate(input_ids=ps, sampling_params=params)] == alone
+
+
 def test_what_cannot_fit_the_pool_is_known_at_admission(llama_dir):
     """A prompt the KV pool cannot hold is refused at once; max_new_tokens beyond what fits is clamped
     and the answer ends with "length" (not after minutes, not an abort)."""

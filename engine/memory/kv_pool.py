@@ -39,8 +39,9 @@ class TokenSlotAllocator:
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            # .cpu(): slots often come from a req-to-token table on the GPU; the free list lives on the CPU.
-            self._returned.append(slots.to("cpu", torch.int64).flatten())
+            # A copy, always: slots are often a view of the req-to-token table (on a CPU, .to("cpu") is
+            # no copy), whose row the next request overwrites while these wait here to be handed out.
+            self._returned.append(slots.to("cpu", torch.int64, copy=True).flatten())
             self._count += slots.numel()
 
     def free_slots(self) -> torch.Tensor:
