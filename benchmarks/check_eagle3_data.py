@@ -6,8 +6,9 @@ Feeds the first -n stored sequences (prompt and answer) to the target as one for
 data's dtype and weight format, and compares its argmax at every answer position with the argmax the
 data phase stored there. Healthy data agrees at nearly every position: a greedy answer is the argmax
 chain, and only near-ties differ, rounded otherwise by one prefill than by the data phase's batched
-prefill and decode steps (bf16 Qwen2.5-Coder-1.5B data: 96-100% a sample). A run whose answers were
-not the target's agreed at 47-77% (docs/convert.md). Exits with status 1 when the mean over the
+prefill and decode steps (bf16 Qwen2.5-Coder-1.5B data: 96-100% a sample). A run whose requests read each
+other's KV agreed at 47-77% (docs/convert.md); `spec convert train-eagle3` now runs this check itself
+on a few new samples and refuses such data. Exits with status 1 when the mean over the
 samples is under 90%.
 """
 
@@ -17,8 +18,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-import torch
 
 
 def main() -> None:
@@ -30,34 +29,25 @@ def main() -> None:
     a = ap.parse_args()
 
     from engine import Engine
-    from engine.forward_batch import make_batch
+    from engine.convert.eagle3_data import HEALTHY_AGREEMENT, answer_agreement, load_samples
 
     spec = json.loads((a.data_dir / "manifest.json").read_text())["spec"]
-    shard = torch.load(a.data_dir / f"shard_{a.shard:05d}.pt", weights_only=False)
+    samples = load_samples([(a.data_dir / f"shard_{a.shard:05d}.pt", a.n)])
     eng = Engine(model_path=a.model, dtype=spec["dtype"], quantization=spec["quantization"],
                  disable_radix_cache=True, context_length=4096)
-    runner, kv = eng._target, eng._kv
-    start = fed = 0
     agreements = []
-    for i, (length, prompt_len) in enumerate(zip(shard["lengths"].tolist()[:a.n], shard["prompt_lens"].tolist())):
-        ids = shard["ids"][start:start + length]
-        stored = shard["argmax"][fed:fed + length - 1]          # position t's argmax predicts token t + 1
-        start, fed = start + length, fed + length - 1
-        if length == prompt_len:
-            continue
-        slots = kv.alloc(length)
-        with torch.inference_mode():
-            out = runner.forward(make_batch(kv.table, [0], [0], ids.long(), slots, [length]), all_logits=True)
-        kv.free(slots)
-        now = out.logits.argmax(-1)[prompt_len - 1:length - 1]
-        agree = (now == stored[prompt_len - 1:].to(now.dtype)).float().mean().item()
-        agreements.append(agree)
-        print(f"sample {i}: {length - prompt_len} answer tokens, the target's argmax agrees at {agree:.0%}")
+    for i, sample in enumerate(samples):
+        agree = answer_agreement(eng, [sample], 1)
+        if agree is not None:
+            agreements.append(agree)
+            print(f"sample {i}: {sample.ids.numel() - sample.prompt_len} answer tokens, "
+                  f"the target's argmax agrees at {agree:.0%}")
     eng.shutdown()
     mean = sum(agreements) / max(len(agreements), 1)
+    healthy = mean >= HEALTHY_AGREEMENT
     print(f"mean agreement {mean:.1%} over {len(agreements)} samples: "
-          f"{'as the target produces it' if mean >= 0.9 else 'NOT what the target produces: do not train on it'}")
-    sys.exit(0 if mean >= 0.9 else 1)
+          f"{'as the target produces it' if healthy else 'NOT what the target produces: do not train on it'}")
+    sys.exit(0 if healthy else 1)
 
 
 if __name__ == "__main__":

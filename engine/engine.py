@@ -159,6 +159,24 @@ class Engine:
         argmax where logits were computed (training data for drafts). An empty sequence stops it."""
         self._scheduler.worker.capture = tuple(layers)
 
+    def greedy_choices(self, token_ids: Sequence[int]):
+        """The target's argmax after each prefix of token_ids (entry t follows token t), from one forward
+        outside the scheduler, which must be idle: checks that stored answers are the target's."""
+        import torch
+
+        from engine.forward_batch import make_batch
+
+        n = len(token_ids)
+        if self.has_work or n > min(self._kv.unused(), self.context_len):
+            raise RequestError(f"greedy_choices needs an idle engine and {n} free KV slots within the context")
+        slots = self._kv.alloc(n)
+        try:
+            with torch.inference_mode():
+                batch = make_batch(self._kv.table, [0], [0], token_ids, slots, [n])
+                return self._target.forward(batch, all_logits=True).logits.argmax(-1).cpu()
+        finally:
+            self._kv.free(slots)
+
     # ------------------------------------------------------------------ low-level API
     def compile_grammar(self, params: SamplingParams):
         """The compiled grammar of the request's constraint, or None. Thread-safe (the server compiles

@@ -239,3 +239,25 @@ def test_a_gguf_generates_as_served_unless_asked(tmp_path, monkeypatch):
     assert generation_format(converted, config, "auto", "float32", "cpu") == ("float32", "none")
     assert generation_format(converted, config, "none", "bfloat16", "cpu") == ("bfloat16", "none")
     assert generation_format(converted, config, "w8a8_int8", "auto", "cpu") == (native, "w8a8_int8")
+
+
+def test_answers_that_are_not_the_targets_are_refused(target, tmp_path, monkeypatch):
+    """After generating, a few new samples go back through the target: fp32 data agrees everywhere,
+    data whose stored argmax is not the target's is refused before any training."""
+    from engine.convert import eagle3_data
+
+    prompts = write_prompts(tmp_path / "p.txt", 6)
+    opts = options(target, tmp_path / "head", prompts, num_prompts=6, gen_batch=2, max_new_tokens=8)
+    samples = run_data(target, opts)
+    engine = generate.generation_engine(str(target), 2, 8, "float32", "cpu", "none")
+    assert eagle3_data.answer_agreement(engine, samples) == 1.0
+    real = eagle3_data.take_sample
+
+    def off_by_one(req):
+        sample = real(req)
+        sample["argmax"][sample["prompt_len"] - 1:] += 1
+        return sample
+
+    monkeypatch.setattr(eagle3_data, "take_sample", off_by_one)
+    with pytest.raises(ConvertError, match="not what the target produces"):
+        run_data(target, replace(opts, data_dir=tmp_path / "bad"))

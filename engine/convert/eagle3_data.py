@@ -124,3 +124,24 @@ def load_samples(shards: Sequence[tuple[Path, int]]) -> list[Sample]:
                                   shard["final"][pos:pos + n - 1], shard["argmax"][pos:pos + n - 1]))
             tok, pos = tok + n, pos + n - 1
     return samples
+
+
+# ------------------------------------------------------------------------------------------------ checking
+HEALTHY_AGREEMENT = 0.9
+
+
+def answer_agreement(engine, samples: Sequence[Sample], count: int = 8) -> Optional[float]:
+    """Mean, over `count` samples spread evenly across `samples` (the last one included), of the share
+    of answer positions where the target fed the stored tokens in one forward (Engine.greedy_choices)
+    picks the argmax stored there; None when no sample has an answer. Healthy data agrees at nearly
+    every position: 96-100% a sample on bf16 Qwen2.5-Coder-1.5B, where near-ties round otherwise in one
+    prefill than in batched decoding. Data whose requests read each other's KV agreed at 47-77%."""
+    answered = [s for s in samples if s.ids.numel() > s.prompt_len]
+    if not answered:
+        return None
+    picks = sorted({round(k * (len(answered) - 1) / max(count - 1, 1)) for k in range(count)})
+    shares = []
+    for s in (answered[k] for k in picks):
+        now = engine.greedy_choices(s.ids.tolist())[s.prompt_len - 1:-1]
+        shares.append((now == s.argmax[s.prompt_len - 1:].long()).float().mean().item())
+    return sum(shares) / len(shares)

@@ -32,7 +32,7 @@ import torch
 
 from engine.convert import ConvertError, magpie
 from engine.convert.data_manifest import DataSpec, check_settings, data_shards, open_data, stored_prompts
-from engine.convert.eagle3_data import Sample, generate_data, load_samples
+from engine.convert.eagle3_data import HEALTHY_AGREEMENT, Sample, answer_agreement, generate_data, load_samples
 from engine.convert.generate import Generation, chat_prompt_ids, generation_engine, generation_format
 from engine.convert.token_map import build_token_map, chat_special_ids, count_ids, coverage, eagle3_vocab
 from engine.convert.ttt import collate, unrolled_loss
@@ -207,7 +207,7 @@ def _data(opts: TrainOptions, target_dir: Path, aux, device: str, progress: Prog
             progress.log(f"magpie: only {len(ours)} distinct requests of the {count} wanted")
     prompts = load_prompts(list(opts.prompts), opts.num_prompts, written)
     manifest = open_data(opts.data_path, spec, prompts)
-    stored = stored_prompts(manifest)
+    stored, new_from = stored_prompts(manifest), None
     if stored < len(prompts):
         progress.phase(f"generating answers to {len(prompts) - stored} prompts"
                        + (f" (after the {stored} in {opts.data_path})" if stored else ""), len(prompts) - stored)
@@ -217,6 +217,7 @@ def _data(opts: TrainOptions, target_dir: Path, aux, device: str, progress: Prog
             tokens[0] += new_tokens
             progress.advance(finished, tok_s=tokens[0] / (time.perf_counter() - started))
 
+        new_from = sum(shard["samples"] for shard in manifest["shards"])
         manifest = generate_data(make_engine(), prompts, opts.data_path, manifest, 4 * opts.gen_batch, on_step=on_step)
     elif stored > len(prompts):
         progress.log(f"using the first {len(prompts)} of the {stored} prompts answered in {opts.data_path}")
@@ -224,7 +225,21 @@ def _data(opts: TrainOptions, target_dir: Path, aux, device: str, progress: Prog
     samples = load_samples(shards)
     if not samples:
         raise ConvertError(f"No training samples in {opts.data_path}: every generation failed.")
+    if new_from is not None:
+        _check_answers(engine, samples[new_from:], opts.data_path, progress)
     return samples
+
+
+def _check_answers(engine, samples: list[Sample], data_path: Path, progress: Progress) -> None:
+    """Refuse to train on answers that are not the target's: a few new samples fed back to it."""
+    agreement = answer_agreement(engine, samples)
+    if agreement is None:
+        return
+    progress.log(f"the target's argmax agrees with the stored answers at {agreement:.1%} of checked positions")
+    if agreement < HEALTHY_AGREEMENT:
+        raise ConvertError(f"The answers generated into {data_path} are not what the target produces (its argmax "
+                           f"agrees at {agreement:.0%} of their positions; healthy data: 96-100%). This is a bug in "
+                           "spec: please report it. Delete the directory to generate the data again.")
 
 
 def _data_spec(opts: TrainOptions, target_dir: Path, aux, device: str) -> DataSpec:
