@@ -126,14 +126,15 @@ def test_preemption_under_tiny_kv_budget(llama_dir, radix):
     assert (stats["kv_tokens_cached"] > 0) == radix
 
 
-def test_requests_in_waves_through_a_small_pool(llama_dir):
+@pytest.mark.parametrize("radix", [True, False])
+def test_requests_in_waves_through_a_small_pool(llama_dir, radix):
     """More requests than run at once, in a pool they cycle through several times: each answer is the
     one it gets alone. (Freed slots once stayed views of the request table: the rows' next requests
     rewrote them, two requests got the same slots and read each other's KV once the pool wrapped.)"""
     ps = prompts(12, seed=11, lo=10, hi=30)
     params = {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}
     alone = [engine(llama_dir).generate(input_ids=p, sampling_params=params)["output_ids"] for p in ps]
-    small = engine(llama_dir, max_total_tokens=160, max_running_requests=3, disable_radix_cache=True)
+    small = engine(llama_dir, max_total_tokens=160, max_running_requests=3, disable_radix_cache=not radix)
     assert [o["output_ids"] for o in small.generate(input_ids=ps, sampling_params=params)] == alone
 
 
