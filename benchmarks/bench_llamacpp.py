@@ -2,7 +2,7 @@
 time to first request. llama.cpp on the same file is the yardstick for CPU speed.
 
     python benchmarks/bench_llamacpp.py [--prompts 4] [--max-new-tokens 128] [--rounds 2] [--eagle3 MODEL=DIR]
-                                        [--head-quantization w4a8]
+                                        [--head-quantization w4a8] [--eagle3-tree 2,4,4]
 
 Greedy, batch 1, MT-Bench first turns (one per category) through each model's chat template, 2
 threads. Every case runs in a process of its own (its peak RSS is its own), and the cases of a model
@@ -180,6 +180,8 @@ def main() -> None:
                     help="an EAGLE-3 head for a model, e.g. smollm2-135m=drafts/smollm2-eagle3")
     ap.add_argument("--head-quantization", help="also run each --eagle3 head in this weight format "
                     "(--speculative-draft-model-quantization, e.g. w4a8)")
+    ap.add_argument("--eagle3-tree", action="append", default=[], metavar="STEPS,TOPK,TOKENS",
+                    help="also run each --eagle3 head with this tree (repeatable; the auto tree always runs)")
     ap.add_argument("--quantization", default="auto", help="spec's --quantization (auto, int4, w8a8_int8, none)")
     ap.add_argument("--compile", action="store_true", help="spec with --enable-torch-compile")
     ap.add_argument("--llama-bin", type=Path, help="llama.cpp tools built elsewhere")
@@ -206,11 +208,16 @@ def main() -> None:
         if model in DRAFTS:
             spec_cases["spec STANDALONE"] = {"speculative_algorithm": "STANDALONE",
                                              "speculative_draft_model_path": DRAFTS[model]}
-        if model in heads:
-            eagle3 = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": heads[model]}
-            spec_cases["spec EAGLE3"] = eagle3
+        for tree in [None] + a.eagle3_tree if model in heads else []:
+            name, eagle3 = "spec EAGLE3", {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": heads[model]}
+            if tree:
+                steps, topk, tokens = map(int, tree.split(","))
+                name += f" ({tree})"
+                eagle3.update(speculative_num_steps=steps, speculative_eagle_topk=topk,
+                              speculative_num_draft_tokens=tokens)
+            spec_cases[name] = eagle3
             if a.head_quantization:
-                spec_cases[f"spec EAGLE3, {a.head_quantization} head"] = {
+                spec_cases[f"{name}, {a.head_quantization} head"] = {
                     **eagle3, "speculative_draft_model_quantization": a.head_quantization}
         common = {"quantization": a.quantization, "enable_torch_compile": a.compile, "context_length": 4096}
         spec_cases = {name: {**common, **spec} for name, spec in spec_cases.items()}
