@@ -136,7 +136,8 @@ def answer_agreement(engine, samples: Sequence[Sample], count: int = 8) -> Optio
     picks the argmax stored there; None when no sample has an answer. Healthy data agrees at nearly
     every position: 96-100% a sample on bf16 Qwen2.5-Coder-1.5B, where near-ties round otherwise in one
     prefill than in batched decoding. Data whose requests read each other's KV agreed at 47-77%."""
-    answered = [s for s in samples if s.ids.numel() > s.prompt_len]
+    fits = min(engine.kv_capacity, engine.context_len)      # a one-request forward over the whole sample
+    answered = [s for s in samples if s.prompt_len < s.ids.numel() <= fits]
     if not answered:
         return None
     picks = sorted({round(k * (len(answered) - 1) / max(count - 1, 1)) for k in range(count)})
