@@ -129,23 +129,30 @@ def spec_case(model: str, spec: dict, prompts: list[list[int]] | None, new_token
             "quantization": eng.args.quantization}
 
 
+def chain_batch(eng, n: int, cached: int = 512):
+    """A forward batch of one request's n-token chain after `cached` tokens (the padding row, whose
+    slots read zeros): what a verify step (n > 1) or a plain step (n = 1) feeds the target."""
+    import torch
+
+    from engine.forward_batch import make_batch
+
+    kv = eng._kv
+    return make_batch(kv.table, [kv.pad_row], [cached], torch.zeros(n, dtype=torch.long),
+                      torch.full((n,), kv.pad_slot, dtype=torch.long), [n])
+
+
 def verify_cost(eng) -> float:
     """An 8-token chain's forward over a 1-token forward, 512 cached tokens (the padding row), model
     alone: what a verify step costs against a plain step."""
     import torch
 
-    from engine.forward_batch import make_batch
-
-    runner, kv = eng._target, eng._kv
-
     def run(n: int) -> float:
-        slots = torch.full((n,), kv.pad_slot, dtype=torch.long)
         times = []
         with torch.inference_mode():
             for _ in range(12):
-                batch = make_batch(kv.table, [kv.pad_row], [512], torch.zeros(n, dtype=torch.long), slots, [n])
+                batch = chain_batch(eng, n)
                 t = time.perf_counter()
-                runner.forward(batch, all_logits=True, decode=True)     # as the worker runs both
+                eng._target.forward(batch, all_logits=True, decode=True)     # as the worker runs both
                 times.append(time.perf_counter() - t)
         return statistics.median(times[2:])
 

@@ -14,9 +14,14 @@ from __future__ import annotations
 import argparse
 import collections
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_llamacpp import chain_batch  # noqa: E402
 
 
 def main() -> None:
@@ -28,7 +33,6 @@ def main() -> None:
 
     import engine.models.fused_decode as fused_decode
     from engine import Engine
-    from engine.forward_batch import make_batch
     from spec_kernels import cpu_attention, cpu_elementwise, cpu_w4a8
 
     fused_decode.plan = lambda *args, **kw: None          # eager layers: one timed call per kernel
@@ -52,25 +56,23 @@ def main() -> None:
         wrapped = Timed(mod.library())
         mod.library = lambda wrapped=wrapped: wrapped
     eng = Engine(model_path=a.model, max_total_tokens=a.cached + 2 * a.tokens + 64, context_length=a.cached + 64)
-    runner, kv = eng._target, eng._kv
 
     def profile(n: int) -> float:
-        slots = torch.full((n,), kv.pad_slot, dtype=torch.long)
         runs = []
         with torch.inference_mode():
             for i in range(15):
                 spent.clear()
-                batch = make_batch(kv.table, [kv.pad_row], [a.cached], torch.zeros(n, dtype=torch.long), slots, [n])
+                batch = chain_batch(eng, n, a.cached)
                 t = time.perf_counter()
-                runner.forward(batch, all_logits=True, decode=True)
+                eng._target.forward(batch, all_logits=True, decode=True)
                 if i >= 3:
                     runs.append((time.perf_counter() - t, dict(spent)))
         total = statistics.median(r[0] for r in runs)
         print(f"{n} token(s): {total * 1e3:.2f} ms")
-        for name in sorted(runs[0][1], key=lambda k: -runs[0][1][k]):
-            print(f"  {name}: {statistics.median(r[1].get(name, 0.0) for r in runs) * 1e3:.3f} ms")
-        print(f"  everything else (torch ops, logits, Python): "
-              f"{(total - sum(statistics.median(r[1].get(k, 0.0) for r in runs) for k in runs[0][1])) * 1e3:.3f} ms")
+        kernels = {name: statistics.median(r[1].get(name, 0.0) for r in runs) for name in runs[0][1]}
+        for name, spent_ms in sorted(kernels.items(), key=lambda item: -item[1]):
+            print(f"  {name}: {spent_ms * 1e3:.3f} ms")
+        print(f"  everything else (torch ops, logits, Python): {(total - sum(kernels.values())) * 1e3:.3f} ms")
         return total
 
     one, many = profile(1), profile(a.tokens)
