@@ -110,7 +110,9 @@ def test_a_longer_list_extends_the_stored_one(tmp_path, monkeypatch):
     path, settings = tmp_path / "magpie.json", magpie.MagpieSettings("m")
     short = magpie.cached_prompts(path, 3, settings, lambda: engine, group=4)
     assert short == ["w0 w0 w0 w0", "w1 w1 w1 w1", "w2 w2 w2 w2"] and firsts == [0]
-    longer = magpie.cached_prompts(path, 6, settings, lambda: engine, group=4)
+    kept = []
+    longer = magpie.cached_prompts(path, 6, settings, lambda: engine, group=4, on_kept=kept.append)
+    assert sum(kept) == 6 and kept[0] == 3          # progress counts the stored prompts too
     assert longer[:3] == short and longer[3:] == ["w4 w4 w4 w4", "w5 w5 w5 w5", "w6 w6 w6 w6"]
     assert firsts == [0, 4]
     assert magpie.cached_prompts(path, 2, settings, lambda: engine, group=4) == short[:2] and firsts == [0, 4]

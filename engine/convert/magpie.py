@@ -85,6 +85,8 @@ def cached_prompts(path: Path, count: int, settings: MagpieSettings, make_engine
             stored, tried = data["prompts"], data.get("tried", 4 * len(data["prompts"]))
     if len(stored) >= count:
         return stored[:count]
+    if on_kept and stored:
+        on_kept(len(stored))         # progress counts the whole list, the stored part included
     prompts, tried = write_prompts(make_engine(), count, settings, group, on_kept, stored, tried)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"settings": asdict(settings), "tried": tried, "prompts": prompts}, indent=1))
