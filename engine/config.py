@@ -66,8 +66,8 @@ class ServerArgs:
         choices=("auto", "float32", "bfloat16", "float16")))
     quantization: str = field(default="auto", metadata=opt(
         "Weight format on the CPU. w4a8: 4-bit weight groups of 32 (a GGUF's Q4_0/Q4_1/Q4_K layers as stored, "
-        "scales in fp16) times int8 activations in spec's VNNI kernel, other layers and lm_head as w8a8_int8; "
-        "fastest for 1 token, and 8 cost under 2x. w8a8_int8: int8 weights (one scale per row) and int8 "
+        "scales in fp16) times int8 activations in spec's VNNI kernel; layers stored above 4 bits and lm_head as "
+        "int8 groups of 32 in the same kernel; fastest for 1 token, and 8 cost under 2x. w8a8_int8: int8 weights (one scale per row) and int8 "
         "activations (one scale per token) in oneDNN's int8 GEMM, decoder layers and lm_head; 8 tokens cost "
         "about what 1 does. int4: weight-only groups of 32 in torch's kernel, several times slower for 8 "
         "tokens. none: the checkpoint's own weights. auto: for a GGUF file on the CPU (unless --dtype "
