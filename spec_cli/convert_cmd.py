@@ -214,6 +214,10 @@ def train_eagle3(
                                              help="Tokens in the head's own vocabulary (d2t/t2d).")] = 8192,
     ttt_steps: Annotated[int, typer.Option("--ttt-steps", min=1, rich_help_panel=TRAIN,
                                            help="Draft steps unrolled in training (training-time test).")] = 4,
+    intermediate_size: Annotated[Optional[int], typer.Option(
+        "--intermediate-size", min=32, rich_help_panel=TRAIN, show_default=False,
+        help="Width of the head's MLP, a multiple of 32 (default: the target's). A narrower head takes more steps "
+             "in a --time-budget and drafts faster: measured in docs/convert.md.")] = None,
     epochs: Annotated[Optional[float], typer.Option(
         "--epochs", min=0.01, rich_help_panel=TRAIN, show_default=False,
         help="Passes over the data (default 4, or as many as --max-steps / --time-budget allow).")] = None,
@@ -263,6 +267,7 @@ def train_eagle3(
     opts = TrainOptions(model=model, output=output, prompts=tuple(prompts or TrainOptions.prompts),
                         num_prompts=num_prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                         gen_batch=gen_batch, data_dir=data_dir, draft_vocab=draft_vocab, ttt_steps=ttt_steps,
+                        intermediate_size=intermediate_size,
                         epochs=epochs, max_steps=max_steps, time_budget=time_budget, batch_tokens=batch_tokens,
                         lr=lr, save_every=save_every, resume=resume, device=device, dtype=dtype, quantization=quantization,
                         precision=precision,

@@ -132,6 +132,27 @@ def test_time_budget_alone_bounds_training(target, trained, tmp_path):
     assert report["training_s"] - 1.2 <= report["s_per_step"] * 3
 
 
+def test_a_narrower_head_trains_loads_and_serves(target, trained, tmp_path):
+    """--intermediate-size: the head's MLP is that wide in the saved checkpoint, and it serves as an
+    EAGLE3 draft with the target's output unchanged; widths the w4a8 kernel cannot take are refused."""
+    root, prompts, _ = trained
+    with pytest.raises(ConvertError, match="multiple of 32"):
+        train(options(target, tmp_path / "odd", prompts, data_dir=root / "head" / "data", intermediate_size=48))
+    head = tmp_path / "narrow"
+    train(options(target, head, prompts, data_dir=root / "head" / "data", max_steps=2, intermediate_size=32))
+    from safetensors.torch import load_file
+
+    assert json.loads((head / "config.json").read_text())["intermediate_size"] == 32
+    assert load_file(head / "model.safetensors")["midlayer.mlp.gate_proj.weight"].shape[0] == 32
+    assert load_config(target).intermediate_size != 32
+    greedy = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    plain = Engine(model_path=str(target), dtype="float32", max_total_tokens=512).generate(
+        input_ids=[[5, 6, 7, 8]], sampling_params=greedy)
+    spec = Engine(model_path=str(target), dtype="float32", max_total_tokens=512, speculative_algorithm="EAGLE3",
+                  speculative_draft_model_path=str(head)).generate(input_ids=[[5, 6, 7, 8]], sampling_params=greedy)
+    assert spec[0]["output_ids"] == plain[0]["output_ids"]
+
+
 @pytest.fixture(scope="module")
 def bigram(tmp_path_factory):
     """A highly regular language: a target whose next token depends on the current one only

@@ -54,6 +54,7 @@ class TrainOptions:
     data_dir: Optional[Path] = None
     draft_vocab: int = 8192
     ttt_steps: int = 4
+    intermediate_size: Optional[int] = None   # the head's MLP width (default: the target's)
     epochs: Optional[float] = None            # default: 4, unless max_steps or time_budget bounds the run
     max_steps: Optional[int] = None
     time_budget: Optional[float] = None       # minutes of training (the data phase not counted)
@@ -105,6 +106,11 @@ def train(opts: TrainOptions, progress: Optional[Progress] = None) -> dict:
     from engine.model_runner import resolve_device
 
     progress = progress or Silent()
+    if opts.intermediate_size is not None and opts.intermediate_size % 32:
+        # The w4a8 kernel, which serves the head with --speculative-draft-model-quantization w4a8, takes
+        # groups of 32 along the down projection's input.
+        raise ConvertError(f"--intermediate-size {opts.intermediate_size} is not a multiple of 32; pass e.g. "
+                           f"{max(32, opts.intermediate_size // 32 * 32)}.")
     if opts.threads:
         torch.set_num_threads(opts.threads)
     device = resolve_device(opts.device)
@@ -136,7 +142,7 @@ def train(opts: TrainOptions, progress: Optional[Progress] = None) -> dict:
 
     embed, head, norm = _target_tensors(target_dir, config)
     max_len = max(s.fed for s in samples)
-    draft_config = make_draft_config(config, aux, len(target_ids))
+    draft_config = make_draft_config(config, aux, len(target_ids), opts.intermediate_size)
     draft = new_draft(draft_config, aux, max_len + opts.ttt_steps + 2, head[target_ids], norm, opts.seed)
     draft.to(device)
     embed, head_rows, t2d_dev = embed.to(device), head[target_ids].to(device), t2d.to(device)
@@ -269,11 +275,14 @@ _DRAFT_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads",
                       "rope_scaling", "hidden_act", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range")
 
 
-def make_draft_config(target_config, aux: Sequence[int], draft_vocab: int):
-    """The config of an EAGLE-3 head for this target: a one-layer Llama as SpecForge writes it."""
+def make_draft_config(target_config, aux: Sequence[int], draft_vocab: int, intermediate_size: Optional[int] = None):
+    """The config of an EAGLE-3 head for this target: a one-layer Llama as SpecForge writes it, its MLP
+    `intermediate_size` wide where given (the target's width otherwise)."""
     import transformers
 
     values = {k: v for k, v in target_config.to_dict().items() if k in _DRAFT_CONFIG_KEYS and v is not None}
+    if intermediate_size:
+        values["intermediate_size"] = intermediate_size
     values.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
                   tie_word_embeddings=False, draft_vocab_size=draft_vocab, target_hidden_size=target_config.hidden_size,
                   eagle_config={"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux]}, torch_dtype="float32")
@@ -337,7 +346,7 @@ def _replace(path: Path, write) -> None:
 
 # ------------------------------------------------------------------------------------------------ the loop
 # Options that change what a checkpoint means: a resumed run must keep them.
-_RESUME_KEYS = ("draft_vocab", "ttt_steps", "batch_tokens", "seed", "model")
+_RESUME_KEYS = ("draft_vocab", "ttt_steps", "intermediate_size", "batch_tokens", "seed", "model")
 
 
 def _check_resumable(state: dict, opts: TrainOptions) -> None:
