@@ -194,3 +194,17 @@ def test_draft_quantization_quantizes_the_draft_and_stays_lossless(kind, algo, t
     layer = draft.model.layers[0] if algo == "STANDALONE" else draft.midlayer
     assert type(layer.mlp.gate_up_proj) is (W4A8Linear if kind == "w4a8" else Int4Linear)
     assert eng.stats()["spec_verify_ct"] > 0
+
+
+@pytest.mark.parametrize("target_kind,head_kind,w4a8_head", [("w4a8", "auto", True), ("w4a8", "none", False),
+                                                             ("none", "auto", False)])
+def test_auto_runs_a_head_in_w4a8_beside_a_w4a8_target(target_kind, head_kind, w4a8_head, target, tmp_path):
+    """--speculative-draft-model-quantization auto: an EAGLE-3 head's layers run in w4a8 when the target
+    does, in the checkpoint's own weights otherwise or with none."""
+    if cpu_w4a8.library() is None:
+        pytest.skip("no C compiler")
+    eng = tiny_engine(target, "EAGLE3", quantization=target_kind, speculative_draft_model_quantization=head_kind,
+                      **draft_setup("EAGLE3", target, tmp_path))
+    layer = eng._scheduler.worker.drafter.model.midlayer
+    assert (type(layer.mlp.gate_up_proj) is W4A8Linear) == w4a8_head
+    assert (type(layer.self_attn.qkv_proj) is W4A8Linear) == w4a8_head
