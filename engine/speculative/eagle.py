@@ -64,7 +64,7 @@ def load_draft(args: ServerArgs, target: nn.Module, target_dir, dtype: torch.dty
         model = load_mtp_draft(draft_dir, target, own=own, num_layers=layers, **kw)
     else:
         model = load_eagle_draft(algorithm, draft_dir, target, **kw)
-    kind = _head_quantization(args, target_dir, device)
+    kind = _head_quantization(args, target, target_dir, device)
     if kind is not None:
         from engine.models.quant import quantize_loaded
 
@@ -73,16 +73,18 @@ def load_draft(args: ServerArgs, target: nn.Module, target_dir, dtype: torch.dty
     return model
 
 
-def _head_quantization(args: ServerArgs, target_dir, device: str) -> Optional[str]:
-    """The head's weight format: the one named, or with auto w4a8 beside a w4a8 target (its layers then
-    run in the target's kernel: ~8-16% faster EAGLE-3 steps on Qwen2.5-Coder-1.5B, the same accept
-    length, docs/convert.md; drafts never change the output), else the checkpoint's own weights."""
+def _head_quantization(args: ServerArgs, target: nn.Module, target_dir, device: str) -> Optional[str]:
+    """The head's weight format: the one named, or with auto w4a8 beside a target loaded with w4a8
+    layers (its layers then run in the target's kernel: ~8-16% faster EAGLE-3 steps on
+    Qwen2.5-Coder-1.5B, the same accept length, docs/convert.md; drafts never change the output), else
+    the checkpoint's own weights."""
     from engine.model_runner import resolve_quantization
+    from engine.models.quant import W4A8Linear
 
     name = args.speculative_draft_model_quantization
     if name == "auto":
-        target = resolve_quantization(args.quantization, target_dir, device, args.dtype)
-        return "w4a8" if target == "w4a8" else None
+        # Exactly W4A8Linear: its subclass Int8GroupLinear also serves int4 targets' wider layers.
+        return "w4a8" if any(type(m) is W4A8Linear for m in target.modules()) else None
     return resolve_quantization(name, target_dir, device, args.dtype)
 
 
