@@ -67,12 +67,12 @@ class ServerArgs:
     quantization: str = field(default="auto", metadata=opt(
         "Weight format on the CPU. w4a8: 4-bit weight groups of 32 (a GGUF's Q4_0/Q4_1/Q4_K layers as stored, "
         "scales in fp16) times int8 activations in spec's VNNI kernel; layers stored above 4 bits and lm_head as "
-        "int8 groups of 32 in the same kernel; fastest for 1 token, and 8 cost under 2x. w8a8_int8: int8 weights (one scale per row) and int8 "
-        "activations (one scale per token) in oneDNN's int8 GEMM, decoder layers and lm_head; 8 tokens cost "
-        "about what 1 does. int4: weight-only groups of 32 in torch's kernel, several times slower for 8 "
-        "tokens. none: the checkpoint's own weights. auto: for a GGUF file on the CPU (unless --dtype "
-        "float32 asks for the exact dequantized reference) w4a8 where the CPU has AVX-512 VNNI; elsewhere "
-        "w8a8_int8 where the MLP projections have 2M weights or more, int4 below; none otherwise.",
+        "int8 groups of 32 in the same kernel; fastest for 1 token, and 8 cost under 2x. w8a8_int8: int8 weights "
+        "(one scale per row) and int8 activations (one scale per token) in oneDNN's int8 GEMM, decoder layers and"
+        " lm_head; 8 tokens cost about what 1 does. int4: weight-only groups of 32 in torch's kernel, several "
+        "times slower for 8 tokens. none: the checkpoint's own weights. auto: for a GGUF file on the CPU (unless "
+        "--dtype float32 asks for the exact dequantized reference) w4a8 where the CPU has AVX-512 VNNI; elsewhere"
+        " w8a8_int8 where the MLP projections have 2M weights or more, int4 below; none otherwise.",
         choices=("auto", "none", "int4", "w8a8_int8", "w4a8")))
     device: str = field(default="auto", metadata=opt(
         "Where to run: auto picks cuda when available, else cpu.", choices=("auto", "cpu", "cuda")))

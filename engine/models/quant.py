@@ -1,11 +1,12 @@
 """Quantized linears for the CPU, through kernels that ship with torch.
 
 - w8a8_int8 (the default for GGUF files on CPUs without AVX-512 VNNI where the MLP projections have 2M
-  weights or more): int8 weights, one scale per output row, and int8 activations quantized per row on the fly (symmetric, one scale per token); the product runs in
-  oneDNN's int8 GEMM (AMX or VNNI where the CPU has them). Integer products are exact, so a row's result
-  never depends on the other rows of the call (what speculative decoding's losslessness leans on), and
-  the cost barely grows with the rows: measured on a Xeon with AMX, Qwen2.5-1.5B's gate/up projection
-  takes 0.65 ms for 1 row and 0.70 ms for 8 (docs/benchmarking.md). 1 byte per weight.
+  weights or more): int8 weights, one scale per output row, and int8 activations quantized per row on
+  the fly (symmetric, one scale per token); the product runs in oneDNN's int8 GEMM (AMX or VNNI where
+  the CPU has them). Integer products are exact, so a row's result never depends on the other rows of
+  the call (what speculative decoding's losslessness leans on), and the cost barely grows with the rows:
+  measured on a Xeon with AMX, Qwen2.5-1.5B's gate/up projection takes 0.65 ms for 1 row and 0.70 ms for
+  8 (docs/benchmarking.md). 1 byte per weight.
 - w4a8 (the default for GGUF files on CPUs with AVX-512 VNNI): a GGUF's own 4-bit groups (below)
   times int8 activations quantized in the same groups of 32, in our C kernel (kernels/cpu_w4a8.c:
   VNNI integer dot products, weights unpacked once for up to 8 rows, each row's result independent of
