@@ -199,12 +199,26 @@ def test_draft_quantization_quantizes_the_draft_and_stays_lossless(kind, algo, t
 @pytest.mark.parametrize("target_kind,head_kind,w4a8_head", [("w4a8", "auto", True), ("w4a8", "none", False),
                                                              ("none", "auto", False)])
 def test_auto_runs_a_head_in_w4a8_beside_a_w4a8_target(target_kind, head_kind, w4a8_head, target, tmp_path):
-    """--speculative-draft-model-quantization auto: an EAGLE-3 head's layers run in w4a8 when the target
-    does, in the checkpoint's own weights otherwise or with none."""
+    """--speculative-draft-model-quantization auto: an EAGLE-3 head's layers and fc run in w4a8 and its
+    own lm_head in int8 groups when the target runs w4a8, in the checkpoint's own weights otherwise or
+    with none; the output is the target's either way."""
     if cpu_w4a8.library() is None:
         pytest.skip("no C compiler")
     eng = tiny_engine(target, "EAGLE3", quantization=target_kind, speculative_draft_model_quantization=head_kind,
                       **draft_setup("EAGLE3", target, tmp_path))
-    layer = eng._scheduler.worker.drafter.model.midlayer
+    draft = eng._scheduler.worker.drafter.model
+    layer = draft.midlayer
     assert (type(layer.mlp.gate_up_proj) is W4A8Linear) == w4a8_head
     assert (type(layer.self_attn.qkv_proj) is W4A8Linear) == w4a8_head
+    assert (type(draft.fc) is W4A8Linear) == w4a8_head
+    assert (type(draft.head.matmul) is Int8GroupLinear) == w4a8_head
+    if w4a8_head:       # the head's logits are its rows' within int8 rounding
+        h = torch.randn(3, draft.lm_head.weight.shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
+        reference = h.float() @ draft.lm_head.weight.float().T
+        logits = draft.head(h)[:, draft.head.ids]
+        assert (logits - reference).abs().max() <= 0.05 * reference.abs().max()
+    plain = tiny_engine(target, quantization=target_kind)
+    ids = lossless_prompts()[3:]
+    params = {"temperature": 0, "max_new_tokens": 12}
+    assert ([o["output_ids"] for o in eng.generate(input_ids=ids, sampling_params=params)]
+            == [o["output_ids"] for o in plain.generate(input_ids=ids, sampling_params=params)])

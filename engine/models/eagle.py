@@ -37,8 +37,7 @@ class DraftVocabHead(HotVocabHead):
     """EAGLE-3's own lm_head: its row d is target token d + d2t[d] (the rows are given, not picked)."""
 
     def __init__(self, weight: torch.Tensor, ids: torch.Tensor, vocab_size: int):
-        self.ids, self.weight, self.vocab_size = ids.to(weight.device), weight.detach(), vocab_size
-        self.tp = tp.building()         # built sharded: the weight is a block of the rows
+        self._use(weight.detach(), ids.to(weight.device), vocab_size, tp.building())    # sharded: a block of rows
 
 
 def _head_dim(config) -> int:

@@ -27,7 +27,7 @@ too, and the embedding is kept as int8 rows (Int8Embedding). Norms stay dense.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -37,6 +37,9 @@ from spec_kernels import cpu_w4a8
 
 aten = torch.ops.aten
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# A draft's input projection (EAGLE's fc over [embedding; feature(s)], MTP's eh_proj): as large as a
+# decoder projection and run on every draft forward.
+DRAFT_LINEARS = ("fc", "proj")
 # Fused projections and the checkpoint parts they are made of, in order.
 PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -231,10 +234,11 @@ BESIDE_GROUPS = {"int4": "int4", "w4a8": "int8_groups"}
 HEADS = {"w8a8_int8": W8A8Linear, "w4a8": Int8GroupLinear, "int8_groups": Int8GroupLinear}
 
 
-def decoder_linears(model: nn.Module) -> Iterable[tuple[str, nn.Module, str]]:
+def decoder_linears(model: nn.Module, attrs: Sequence[str] = QUANTIZED_LINEARS
+                    ) -> Iterable[tuple[str, nn.Module, str]]:
     """(checkpoint prefix, parent module, attribute) of every quantizable linear of the decoder."""
     for name, module in model.named_modules():
-        for attr in QUANTIZED_LINEARS:
+        for attr in attrs:
             if isinstance(getattr(module, attr, None), nn.Linear):
                 yield f"{name}.{attr}" if name else attr, module, attr
 
@@ -244,11 +248,15 @@ def quantizable(linear: nn.Linear, kind: str) -> bool:
 
 
 def quantize_loaded(model: nn.Module, kind: str) -> None:
-    """Replace the decoder's loaded float linears with `kind` ones (a draft model, loaded by its own code)."""
-    for _, parent, attr in list(decoder_linears(model)):
+    """Replace a draft model's loaded float linears (decoder and input projection) with `kind` ones, and
+    its own lm_head's matmul with the head `kind` keeps (none under int4)."""
+    for _, parent, attr in list(decoder_linears(model, QUANTIZED_LINEARS + DRAFT_LINEARS)):
         linear = getattr(parent, attr)
         if quantizable(linear, kind):
             setattr(parent, attr, KINDS[kind].quantize(linear.weight, linear.bias))
+    head = getattr(model, "head", None)
+    if kind in HEADS and hasattr(head, "quantize") and (kind == "w8a8_int8" or head.weight.shape[1] % GROUP == 0):
+        head.quantize(HEADS[kind])
 
 
 def quantize_while_loading(model: nn.Module, kind: str) -> dict[str, Callable[[torch.Tensor], None]]:

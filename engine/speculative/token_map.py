@@ -8,9 +8,12 @@ A map is a torch.save'd list (or 1-D tensor) of token ids ordered by frequency, 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from engine.distributed import group as tp
 from engine.errors import ConfigError
@@ -93,14 +96,23 @@ class HotVocabHead:
     into logits over the full vocabulary with -inf elsewhere, so any top-k or sampling picks hot tokens."""
 
     def __init__(self, weight: torch.Tensor, hot_ids: torch.Tensor, vocab_size: int):
-        self.ids = hot_ids.to(weight.device)
-        self.weight = weight.detach()[self.ids]          # a contiguous copy of the hot rows
-        self.vocab_size = vocab_size
-        self.tp = None      # FR-Spec maps are refused under tensor parallelism (engine/config.py)
+        ids = hot_ids.to(weight.device)
+        # A contiguous copy of the hot rows; FR-Spec maps are refused under tensor parallelism (engine/config.py).
+        self._use(weight.detach()[ids], ids, vocab_size, None)
+
+    def _use(self, rows: torch.Tensor, ids: torch.Tensor, vocab_size: int, tp_group) -> None:
+        """Logits of target tokens `ids` from the weight `rows` (this rank's block of them under `tp_group`)."""
+        self.weight, self.ids, self.vocab_size, self.tp = rows, ids, vocab_size, tp_group
+        self.matmul: Callable[[torch.Tensor], torch.Tensor] = functools.partial(F.linear, weight=rows)
+
+    def quantize(self, kind: type) -> None:
+        """Run the rows through `kind` (a quantized linear class) instead: a draft head's matmul reads as
+        many bytes as a decoder layer's, every draft step. Drafts never change the output."""
+        self.matmul, self.weight = kind.quantize(self.weight, None), None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final normed hidden states -> fp32 logits [N, vocab_size]."""
         # Sharded (EAGLE-3's own head under tensor parallelism): the rows are this rank's block of them.
-        hot = tp.gather_vocab(torch.nn.functional.linear(hidden, self.weight).float(), len(self.ids), self.tp)
+        hot = tp.gather_vocab(self.matmul(hidden).float(), len(self.ids), self.tp)
         out = hot.new_full((hot.shape[0], self.vocab_size), float("-inf"))
         return out.index_copy_(1, self.ids, hot)
