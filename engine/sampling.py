@@ -17,6 +17,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from engine.sampling_params import SamplingParams
+from spec_kernels.cpu_argmax import argmax
 
 
 class Sampled(Protocol):
@@ -161,7 +162,7 @@ class SamplingBatch:
         temperature, then top-k, top-p and min-p (SGLang's order), renormalised."""
         logits = self.adjust(logits)
         if self.all_greedy:
-            return _one_hot(logits.argmax(-1), logits.shape[-1])
+            return _one_hot(argmax(logits), logits.shape[-1])
         vocab = logits.shape[-1]
         temps = self.temperatures
         probs = torch.softmax(logits / temps[:, None], dim=-1)
@@ -169,7 +170,7 @@ class SamplingBatch:
         if any(0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0 for p in params if not p.greedy):
             probs = self._truncate(probs, vocab)
         greedy = self.greedy
-        return torch.where(greedy[:, None], _one_hot(logits.argmax(-1), vocab), probs)
+        return torch.where(greedy[:, None], _one_hot(argmax(logits), vocab), probs)
 
     def _truncate(self, probs: torch.Tensor, vocab: int) -> torch.Tensor:
         top_k = self._row("top_k", [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in self.reqs],
@@ -204,7 +205,7 @@ class SamplingBatch:
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """Next token per row [R]: the argmax for greedy rows, a draw (stream 0) for the others."""
         if self.all_greedy:
-            return self.adjust(logits).argmax(-1)
+            return argmax(self.adjust(logits))
         return sample_from_probs(self.probs(logits), self.uniforms(0))
 
 

@@ -24,6 +24,7 @@ from engine.speculative.drafter import Drafter
 from engine.speculative.tree import TreeBatch
 from engine.speculative.verify import verify
 from engine.step import DecodeStep, PrefillStep, StepResult
+from spec_kernels import cpu_argmax
 
 
 class Worker:
@@ -82,7 +83,7 @@ class Worker:
         if self.capture:
             argmax = torch.full((int(ends[-1]) + 1,), -1, dtype=torch.long, device=out.hidden.device)
             if done:
-                argmax[ends[done].to(argmax.device)] = out.logits.argmax(-1)
+                argmax[ends[done].to(argmax.device)] = cpu_argmax.argmax(out.logits)
             captured = self._captured(out, torch.arange(len(argmax), device=argmax.device), lens, reqs, argmax)
         return StepResult([[sampled[i]] if i in sampled else [] for i in range(len(reqs))], list(lens), captured=captured,
                           logprobs=logprobs)
@@ -145,7 +146,8 @@ class Worker:
             self.drafter.after_verify(step, out, tree.sizes, paths, tokens)
         captured = None
         if self.capture:
-            captured = self._captured(out, rows[on_path], lengths, reqs, out.logits[rows[on_path]].argmax(-1))
+            picked = cpu_argmax.argmax(out.logits[rows[on_path]])
+            captured = self._captured(out, rows[on_path], lengths, reqs, picked)
         return StepResult(tokens, lengths, kept=kept, drafts=[n - 1 for n in lengths] if self.drafter else None,
                           captured=captured, logprobs=None if floats is None else _unpack(reqs, floats, lengths, width))
 

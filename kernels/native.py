@@ -1,5 +1,5 @@
-"""Building the C kernels of this folder (cpu_attention.c, cpu_w4a8.c, cpu_elementwise.c, and cpu_decoder.c
-with the three it calls) once per machine.
+"""Building the C kernels of this folder (cpu_attention.c, cpu_w4a8.c, cpu_elementwise.c, cpu_argmax.c, and
+cpu_decoder.c with the three it calls) once per machine.
 
 A source is compiled when first needed with the system's C compiler (the one torch.compile needs
 too) for this CPU (-march=native, so each kernel picks its instructions from what the CPU has), into

@@ -20,6 +20,7 @@ import torch
 
 from engine.sampling import SamplingBatch, sample_from_probs
 from engine.speculative.tree import TreeBatch
+from spec_kernels.cpu_argmax import argmax
 
 
 @dataclass
@@ -37,7 +38,7 @@ def verify(tree: TreeBatch, logits: torch.Tensor, sb: SamplingBatch, rejection: 
         return Accepted(zeros, zeros[:, 0] + 1, sb.sample(logits))
     node_row = _node_rows(tree)
     if sb.all_greedy:
-        return _greedy(tree, sb.adjust(logits).argmax(-1)[node_row])
+        return _greedy(tree, argmax(sb.adjust(logits))[node_row])
     probs = sb.probs(logits)
     out = _tree_sampling(tree, probs, node_row, sb)
     if any(rejection):
