@@ -10,7 +10,7 @@ import torch
 
 from engine import ConfigError, Engine
 from engine.sampling_params import SamplingParams
-from engine.speculative.draft_tree_search import search_trees
+from engine.speculative.draft_tree_search import search_trees, top_k
 from tests.tiny import make_model, make_tokenizer
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
@@ -125,6 +125,20 @@ def test_tree_search_chain_batch_and_impossible_tokens():
     assert nodes(both, 1) == nodes(alone)
     tokens, parents = nodes(alone)
     assert tokens[1] == 2 and [t for t, p in zip(tokens, parents) if p == 1] == [3, 0]
+
+
+@pytest.mark.parametrize("vocab", [49152, 151936, 5000])
+def test_blocked_top_k_is_topk_over_a_vocabulary(vocab):
+    """The search ranks children by blocks (their maxima first): the same values and tokens as topk,
+    with -inf outside a draft vocabulary, rows whose best tokens share a block, a partial last block."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(2, 3, vocab, generator=g)
+    x[0, :, vocab // 5:] = float("-inf")
+    x[1, 0, 256:260] = 10.0 + torch.arange(4.0)             # the four best in one block
+    for k in (1, 4, 10):
+        values, ids = top_k(x, k)
+        expected = x.topk(k, dim=-1)
+        assert torch.equal(values, expected.values) and torch.equal(ids, expected.indices)
 
 
 def test_sampler_draws_chain_and_returns_its_distributions():

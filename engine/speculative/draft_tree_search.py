@@ -32,6 +32,21 @@ Expand = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 Draw = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
+def top_k(x: torch.Tensor, k: int, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.topk(k) over the last dimension, up to the order of equal values. The k largest lie in the k
+    blocks with the largest maxima, so only those are ranked: on a CPU topk over a whole vocabulary is a
+    partial sort, 0.28 ms a row of 151,936 logits against 0.03 ms this way."""
+    V = x.shape[-1]
+    if V < 16 * block or x.device.type != "cpu":
+        return x.topk(k, dim=-1)
+    if V % block:
+        x = torch.nn.functional.pad(x, (0, block - V % block), value=float("-inf"))
+    blocks = x.unflatten(-1, (-1, block))                                           # [..., V / block, block]
+    best = blocks.amax(-1).topk(k, dim=-1).indices                                  # [..., k]
+    values, at = blocks.gather(-2, best[..., None].expand(*best.shape, block)).flatten(-2).topk(k, dim=-1)
+    return values, best.gather(-1, at // block) * block + at % block
+
+
 def search_trees(roots: torch.Tensor, root_scores: torch.Tensor, expand: Expand, steps: int, topk: int,
                  num_draft_tokens: int, draw: Optional[Draw] = None) -> TreeBatch:
     """Trees of num_draft_tokens nodes rooted at roots [B], from the roots' draft scores [B, V]."""
@@ -48,7 +63,8 @@ def search_trees(roots: torch.Tensor, root_scores: torch.Tensor, expand: Expand,
         raw = root_scores[:, None, :] if depth == 1 else expand(depth - 1, frontier_tokens, from_parent)
         # log_softmax is <= 0 up to rounding; clamping keeps "a child never outscores its parent" exact.
         logp = torch.log_softmax(raw.float(), dim=-1).clamp_max(0.0)
-        child_score, child_token = (frontier_score[:, :, None] + logp).topk(k, dim=-1)     # [B, f, k]
+        child_logp, child_token = top_k(logp, k)                    # the order of frontier_score + logp
+        child_score = frontier_score[:, :, None] + child_logp                               # [B, f, k]
         if draw is not None:
             tok, q, drew = draw(depth, raw[:, 0])
             drawn.append(torch.where(drew[:, None], q, 0.0))
