@@ -90,12 +90,12 @@ def model_bytes(model: Optional[nn.Module]) -> int:
     return getattr(model, "weight_bytes", None) or sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def resolve_args(args: ServerArgs, model_config) -> ServerArgs:
-    """`args` resolved against the target's config, a hub-style token map fetched: everything that can be
-    refused is, before any weight loads."""
+def resolve_args(args: ServerArgs, model_config, device: str) -> ServerArgs:
+    """`args` resolved against the target's config and the device it runs on, a hub-style token map
+    fetched: everything that can be refused is, before any weight loads."""
     from engine.speculative.token_map import resolve_token_map
 
-    args = args.resolved(model_config)
+    args = args.resolved(model_config, device)
     if args.speculative_token_map:
         args = replace(args, speculative_token_map=resolve_token_map(args.speculative_token_map))
     return args
@@ -111,12 +111,12 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     model_dir = resolve_model_path(args.model_path, args.revision, args.trust_remote_code)
     config = load_config(model_dir, args.trust_remote_code)
     max_pos = model_max_positions(config)
-    args = resolve_args(args, config)
+    device = resolve_device(args.device)
+    args = resolve_args(args, config, device)
     if args.context_length > max_pos:
         log.warning("--context-length %d exceeds the model's max_position_embeddings %d; outputs past it "
                     "may degrade", args.context_length, max_pos)
     tokenizer = load_tokenizer(args.tokenizer_path or model_dir, args.trust_remote_code)
-    device = resolve_device(args.device)
     quantization = resolve_quantization(args.quantization, model_dir, device, args.dtype, config)
     dtype = resolve_dtype(args.dtype, config, device, quantized=quantization is not None)
     if args.num_threads:

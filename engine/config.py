@@ -28,9 +28,20 @@ SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "MTP", "STANDALONE", "NGRAM")
 # Names accepted for compatibility with SGLang command lines, mapped to ours.
 SPECULATIVE_ALGORITHM_ALIASES = {"NEXTN": "MTP"}
 DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
-# (steps, topk, draft tokens) when none are given: SGLang's auto choice.
+# (steps, topk, draft tokens) when none are given: SGLang's auto choice, for a GPU, where verifying 8
+# tokens costs about what 1 does.
 AUTO_TREE_LLAMA = (5, 4, 8)
 AUTO_TREE_OTHER = (3, 1, 4)
+# On a CPU the weight kernels are compute-bound past one row: each verified token adds 10-20% of a
+# step. `spec tune`'s best trees for EAGLE-3 and STANDALONE there had one or two draft steps and 3
+# tokens; SGLang's auto trees ran 10-30% slower (docs/speculative.md, "Tree shape on a CPU").
+AUTO_TREE_CPU = (1, 2, 3)
+
+
+def sglang_auto_tree(model_type: str) -> tuple[int, int, int]:
+    """SGLang's auto tree for a target family (the GPU's; also what head evaluations draft with, so that
+    accept lengths measure the head on any device)."""
+    return AUTO_TREE_LLAMA if model_type in ("llama", "mistral") else AUTO_TREE_OTHER
 # The deepest draft a tree may have: positions run this far past the context length while verifying.
 MAX_SPECULATIVE_STEPS = 32
 _TREE_FIELDS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
@@ -406,10 +417,10 @@ class ServerArgs:
             raise ConfigError("--speculative-num-draft-tokens must be at least 2 (the root and one draft token).")
 
     # ---------------------------------------------------------------------------------------------
-    def resolved(self, model_config) -> "ServerArgs":
-        """A copy with the choices that depend on the target model (its transformers config) made, before
-        any weight loads: the context length, EAGLE without a draft (the target's own MTP layers, as
-        SGLang does), and the auto tree."""
+    def resolved(self, model_config, device: str) -> "ServerArgs":
+        """A copy with the choices that depend on the target model (its transformers config) and the
+        device made, before any weight loads: the context length, EAGLE without a draft (the target's own
+        MTP layers, as SGLang does), and the auto tree."""
         changes: dict[str, Any] = {}
         if self.context_length is None:
             changes["context_length"] = model_max_positions(model_config)
@@ -425,9 +436,11 @@ class ServerArgs:
         if changes.get("speculative_algorithm", self.speculative_algorithm) == "MTP":
             changes.update(self._multi_layer(layers))
         if self.speculative_algorithm and self.speculative_num_steps is None and "speculative_num_steps" not in changes:
-            steps, topk, tokens = AUTO_TREE_LLAMA if model_config.model_type in ("llama", "mistral") else AUTO_TREE_OTHER
+            steps, topk, tokens = AUTO_TREE_CPU if device == "cpu" else sglang_auto_tree(model_config.model_type)
             if self.enable_overlap_schedule:        # chains only: the same depth, topk 1
                 topk, tokens = 1, steps + 1
+            log.info("auto tree%s: %d steps, topk %d, %d draft tokens (pass all three tree flags to choose; "
+                     "spec tune finds the fastest)", " on a CPU" if device == "cpu" else "", steps, topk, tokens)
             changes.update(zip(_TREE_FIELDS, (steps, topk, tokens)))
         return dataclasses.replace(self, **changes) if changes else self
 

@@ -14,13 +14,21 @@ def model_config(model_type="llama", max_pos=2048, **extra):
     return SimpleNamespace(model_type=model_type, max_position_embeddings=max_pos, **extra)
 
 
-def test_auto_tree_depends_on_target_family():
+def test_auto_tree_depends_on_the_device_and_on_a_gpu_on_the_target_family():
     args = ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path="d")
-    llama = args.resolved(model_config("llama", 2048))
+    llama = args.resolved(model_config("llama", 2048), "cuda")
     assert llama.speculative_tree == (5, 4, 8) and llama.context_length == 2048
     assert args.speculative_tree == (None, None, None) and args.context_length is None    # unchanged
-    qwen = args.resolved(model_config("qwen2", 4096))
+    qwen = args.resolved(model_config("qwen2", 4096), "cuda")
     assert qwen.speculative_tree == (3, 1, 4)
+    # A CPU's verify cost grows with every token: one draft step, 3 tokens, whatever the family.
+    for family in ("llama", "qwen2"):
+        assert args.resolved(model_config(family), "cpu").speculative_tree == (1, 2, 3)
+    chains = ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="d", enable_overlap_schedule=True)
+    assert chains.resolved(model_config("llama"), "cpu").speculative_tree == (1, 1, 2)
+    given = ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="d", speculative_num_steps=5,
+                       speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+    assert given.resolved(model_config("llama"), "cpu").speculative_tree == (5, 4, 8)
 
 
 def test_ngram_tree_is_sized_as_sglang_sizes_it():
@@ -31,7 +39,8 @@ def test_ngram_tree_is_sized_as_sglang_sizes_it():
     assert ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=16).speculative_tree == (15, 10, 16)
     assert ServerArgs(speculative_algorithm="NGRAM", speculative_num_steps=3,
                       speculative_eagle_topk=1).speculative_tree == (3, 1, 4)
-    assert ServerArgs(speculative_algorithm="NGRAM").resolved(model_config("llama")).speculative_tree == (11, 10, 12)
+    for device in ("cpu", "cuda"):
+        assert ServerArgs(speculative_algorithm="NGRAM").resolved(model_config("llama"), device).speculative_tree == (11, 10, 12)
 
 
 @pytest.mark.parametrize("tree", [(3, 4, 16), (5, 8, 32), (5, 8, 64), (2, 3, 13), (4, 1, 5)])
@@ -45,12 +54,12 @@ def test_trees_up_to_what_the_search_ranks_are_accepted(tree):
 
 def test_eagle_without_a_draft_uses_the_targets_mtp_layers():
     args = ServerArgs(speculative_algorithm="EAGLE")          # the flags alone cannot tell: accepted
-    mimo = args.resolved(model_config("mimo", num_nextn_predict_layers=1))
+    mimo = args.resolved(model_config("mimo", num_nextn_predict_layers=1), "cuda")
     assert mimo.speculative_algorithm == "MTP" and mimo.speculative_tree == (3, 1, 4)
     with pytest.raises(ConfigError, match="needs a draft model.*has none"):
-        args.resolved(model_config("qwen2"))
+        args.resolved(model_config("qwen2"), "cpu")
     with_draft = ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="d")
-    assert with_draft.resolved(model_config("mimo", num_nextn_predict_layers=1)).speculative_algorithm == "EAGLE"
+    assert with_draft.resolved(model_config("mimo", num_nextn_predict_layers=1), "cpu").speculative_algorithm == "EAGLE"
 
 
 def test_server_args_are_immutable():

@@ -383,8 +383,9 @@ def test_trees_are_refused_chains_chosen(served, monkeypatch):
     # Left out, the tree is a chain: NGRAM's topk, and the auto tree (a Llama's is 5 x 4 otherwise).
     assert ServerArgs(speculative_algorithm="NGRAM").speculative_eagle_topk == 1
     llama = type("Config", (), {"model_type": "llama", "max_position_embeddings": 512})()
-    eagle = ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="d").resolved(llama)
-    assert eagle.speculative_tree == (5, 1, 6)
+    eagle = ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="d")
+    assert eagle.resolved(llama, "cuda").speculative_tree == (5, 1, 6)
+    assert eagle.resolved(llama, "cpu").speculative_tree == (1, 1, 2)
 
 
 def test_not_with_tensor_parallelism(monkeypatch):

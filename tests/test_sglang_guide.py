@@ -104,7 +104,7 @@ def test_guide_command_lines_parse_resolve_and_run(name, hub, served, fr_spec_ma
     assert result.exit_code == 0, result.output
     [parsed] = served
     config = load_config(parsed.model_path, parsed.trust_remote_code)
-    resolved = resolve_args(parsed, config)
+    resolved = resolve_args(parsed, config, "cuda")      # the guide's auto trees are a GPU's (a CPU's: test_config)
     assert (resolved.speculative_algorithm, resolved.speculative_tree) == (algorithm, tree)
     assert parsed.enable_overlap_schedule == name.startswith("spec-v2")
     # The guide's memory flags size a GPU; a small pool runs the same configuration here.

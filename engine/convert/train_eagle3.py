@@ -530,16 +530,20 @@ def _mean(values: list[float]) -> float:
 # ------------------------------------------------------------------------------------------------ evaluation
 def evaluate(model: str, draft_dir: Path, prompts: Sequence[str], max_new_tokens: int, device: str = "auto",
              dtype: str = "auto", quantization: str = "auto") -> dict:
-    """Greedy answers with the head as an EAGLE3 draft (the default tree): the engine-wide acceptance."""
+    """Greedy answers with the head as an EAGLE3 draft, the engine-wide acceptance. The tree is SGLang's
+    auto tree for the target family on any device (a CPU serves a smaller one, which caps accept length at
+    2): accept lengths measure the head, comparable across devices and with published ones."""
     from engine import Engine
+    from engine.config import sglang_auto_tree
+    from engine.loader import load_config, load_tokenizer, resolve_model_path
 
-    from engine.loader import load_tokenizer, resolve_model_path
-
-    ids = chat_prompt_ids(load_tokenizer(resolve_model_path(model)), prompts)
+    path = resolve_model_path(model)
+    ids = chat_prompt_ids(load_tokenizer(path), prompts)
+    steps, topk, tokens = sglang_auto_tree(load_config(path).model_type)
     # A KV pool sized for these requests (the default, a share of the machine's memory, is far larger).
     engine = Engine(model_path=model, dtype=dtype, device=device, quantization=quantization,
-                    speculative_algorithm="EAGLE3",
-                    speculative_draft_model_path=str(draft_dir),
+                    speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft_dir),
+                    speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens,
                     max_total_tokens=sum(len(p) + max_new_tokens + 16 for p in ids))
     started = time.perf_counter()
     outs = engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens})
