@@ -118,6 +118,22 @@ def test_decode_steps_and_one_token_forwards_use_key_lists():
         assert isinstance(batch.attn, torch_backend.KeyLists) is expected, (new, decode_step)
 
 
+def test_a_drafts_forwards_of_a_few_tokens_use_key_lists():
+    """A draft backend (create_backend(..., draft=True)) sends forwards of up to DRAFT_KEY_LIST_QUERIES
+    tokens per request through the kernel (its catch-up and tree frontiers); its prefill gathers."""
+    from engine.attention import create_backend
+
+    backend = create_backend("auto", "cpu", pool_with_values(), draft=True)
+    limit = torch_backend.DRAFT_KEY_LIST_QUERIES
+    for new, expected in [(3, True), (limit, True), (limit + 1, False)]:
+        batch, *_ = random_batch(0, [20] * 3, new)
+        backend.prepare(batch)
+        assert isinstance(batch.attn, torch_backend.KeyLists) is expected, new
+    batch, *_ = random_batch(0, [20] * 3, 5)
+    create_backend("auto", "cpu", pool_with_values()).prepare(batch)          # a target's extend
+    assert not isinstance(batch.attn, torch_backend.KeyLists)
+
+
 def test_gathers_when_the_kernel_cannot_be_built(monkeypatch):
     monkeypatch.setattr(torch_backend.cpu_attention, "library", lambda: None)
     batch, q, k, v = random_batch(3, [50] * 4, 1)

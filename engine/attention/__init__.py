@@ -8,15 +8,19 @@ from engine.attention.base import AttentionBackend
 from engine.errors import ConfigError
 
 
-def create_backend(name: str, device: str, kv_pool, deterministic: bool = False) -> AttentionBackend:
+def create_backend(name: str, device: str, kv_pool, deterministic: bool = False, draft: bool = False
+                   ) -> AttentionBackend:
     """The backend `name` over one model's K/V buffers (a draft model gets its own); `deterministic`
-    (--enable-deterministic-inference): prefill batch-invariant too."""
+    (--enable-deterministic-inference): prefill batch-invariant too. A `draft` model's forwards of a few
+    tokens per request (catch-up on accepted tokens, tree frontiers) attend through the CPU kernel, which
+    reads the cache in place, where the target's prefill gathers it for SDPA."""
     if deterministic:
         check_deterministic(name, device)
     if name in ("auto", "torch"):
-        from engine.attention.torch_backend import TorchAttentionBackend
+        from engine.attention.torch_backend import DRAFT_KEY_LIST_QUERIES, TorchAttentionBackend
 
-        return TorchAttentionBackend(kv_pool, batch_invariant_prefill=deterministic)
+        return TorchAttentionBackend(kv_pool, batch_invariant_prefill=deterministic,
+                                     key_lists_up_to=DRAFT_KEY_LIST_QUERIES if draft else 1)
     if name == "triton":
         check_triton(device)
         from engine.attention.triton_backend import TritonAttentionBackend

@@ -5,8 +5,8 @@ mask, so one SDPA call serves prefill, decode, tree verification and draft-tree 
 request's keys are its table row's first prefix_len slots, then its tail: extra (scratch) slots and
 its new tokens' slots. All of it is built with tensor ops, whatever the batch size.
 
-On a CPU, decode steps (decode and tree verification) and every one-token forward go through
-kernels/cpu_attention.c instead: each token attends over the list of its visible keys where they lie
+On a CPU, decode steps (decode and tree verification), every one-token forward and a draft model's
+forwards of a few tokens per request go through kernels/cpu_attention.c instead: each token attends over the list of its visible keys where they lie
 in the pool, by a fixed sequence of operations, so a token's result is bit for bit the same alone
 or verified among others. Speculative decoding then repeats plain decoding exactly, also where bf16
 or int8 rounding downstream would amplify a last-bit difference between SDPA's decode and extend
@@ -51,9 +51,16 @@ class KeyLists:
     shared: torch.Tensor                   # [B] prefix lengths: the leading keys all of a request's tokens see
 
 
+# Most new tokens per request a draft model's forward sends through the kernel outside decode steps:
+# its catch-up after a verify (the accepted tokens) and its tree frontiers. Only acceptance depends on
+# a draft's bits, and the kernel skips SDPA's per-layer gather of every request's whole cache.
+DRAFT_KEY_LIST_QUERIES = 16
+
+
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self, kv_pool: KVPool, batch_invariant_prefill: bool = False):
+    def __init__(self, kv_pool: KVPool, batch_invariant_prefill: bool = False, key_lists_up_to: int = 1):
         self.kv_pool, self.batch_invariant_prefill = kv_pool, batch_invariant_prefill
+        self.key_lists_up_to = key_lists_up_to
         if kv_pool.k[0].device.type == "cpu":
             cpu_attention.library()     # built (or loaded) at start-up, not in the first request
 
@@ -112,10 +119,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def uses_key_lists(self, batch: ForwardBatch, max_new: int) -> bool:
         """Whether this forward attends through kernels/cpu_attention.c: on a CPU, in decode steps
-        (decode and tree verification alike, so that they agree bit for bit), one-token forwards, and
-        prefill too with --enable-deterministic-inference."""
+        (decode and tree verification alike, so that they agree bit for bit), forwards of at most
+        `key_lists_up_to` tokens per request (one, or a draft's few), and prefill too with
+        --enable-deterministic-inference."""
         pool = self.kv_pool.k[0]
-        wanted = batch.decode_step or max_new == 1 or self.batch_invariant_prefill
+        wanted = batch.decode_step or max_new <= self.key_lists_up_to or self.batch_invariant_prefill
         return (wanted and cpu_attention.supports(pool.dtype, pool.device, pool.shape[-1])
                 and cpu_attention.library() is not None)
 

@@ -99,7 +99,7 @@ class EagleDrafter(ModelDrafter):
         device, dtype = table.device, next(model.parameters()).dtype
         layers, heads, head_dim = kv_layout(model)
         self.kv_pool = KVPool(layers, num_slots, heads, head_dim, dtype, device)
-        self.backend = create_backend(backend, str(device), self.kv_pool)
+        self.backend = create_backend(backend, str(device), self.kv_pool, draft=True)
         self.last = torch.zeros((max_rows, target.config.hidden_size), dtype=dtype, device=device)
 
     def feed(self, batch: ForwardBatch, features: torch.Tensor) -> torch.Tensor:

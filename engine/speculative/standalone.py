@@ -61,7 +61,7 @@ class StandaloneDrafter(ModelDrafter):
         layers, heads, head_dim = kv_layout(model)
         kv_pool = KVPool(layers, num_slots, heads, head_dim, dtype, device)
         self.model = model
-        self.runner = ModelRunner(model, kv_pool, create_backend(backend, str(device), kv_pool))
+        self.runner = ModelRunner(model, kv_pool, create_backend(backend, str(device), kv_pool, draft=True))
 
     def feed(self, batch: ForwardBatch, parent_states: Optional[torch.Tensor]) -> torch.Tensor:
         return self.runner.forward(batch).hidden
