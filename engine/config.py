@@ -171,7 +171,8 @@ class ServerArgs:
     speculative_draft_model_quantization: str = field(default="auto", metadata=opt(
         "Weight format of the draft model's layers, as --quantization (auto: the target's rule for a GGUF "
         "STANDALONE draft on the CPU; EAGLE/EAGLE3/MTP heads in w4a8 beside a w4a8 target, their own weights "
-        "otherwise). Drafts never change the output, only how often they are accepted.",
+        "otherwise). Under w4a8 a draft is 4-bit throughout (its head and a GGUF's 8-bit layers too). Drafts "
+        "never change the output, only how often they are accepted.",
         group="Speculative decoding", choices=("auto", "none", "int4", "w8a8_int8", "w4a8")))
     speculative_attention_mode: str = field(default="prefill", metadata=opt(
         "How the target attends over the draft tree: prefill (one extend pass per request, a tree mask) or "

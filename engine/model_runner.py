@@ -80,13 +80,13 @@ def resolve_quantization(name: str, model_dir, device: str, dtype: str, config=N
 
 
 def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions: int,
-               prepack: bool = True, quantization: Optional[str] = None) -> nn.Module:
+               prepack: bool = True, quantization: Optional[str] = None, draft: bool = False) -> nn.Module:
     """Build the target architecture on `device` and load its weights, quantized as `quantization`
     says (engine/models/quant.py: the decoder's linears as they are read, so the float model never
     exists whole; with int4 a GGUF's 4-bit layers from its own groups, exactly); the remaining CPU
     linears are prepacked when there is memory for it and `prepack` (engine/models/prepack.py; a
-    compiled model packs its own). Under tensor parallelism the model is this rank's block.
-    `model.weight_bytes` tells what it holds."""
+    compiled model packs its own). Under tensor parallelism the model is this rank's block. A `draft`
+    is quantized as quant.DRAFT_HEADS says. `model.weight_bytes` tells what it holds."""
     from engine.distributed.sharding import local_config, local_groups
     from engine.loader import iter_weights
     from engine.loader.gguf_convert import int4_groups
@@ -104,8 +104,9 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
     materialize(model, device)
     groups = int4_groups(model_dir) if quantization in FROM_GROUPS else None
     provided = install_gguf_groups(model, local_groups(groups), quantization) if groups else set()
-    sinks = quantize_while_loading(model, BESIDE_GROUPS[quantization] if groups else quantization) \
-        if quantization else {}
+    # A draft's GGUF layers stored above 4 bits are rounded to its kind too (quant.DRAFT_HEADS says why).
+    beside = quantization if draft else BESIDE_GROUPS.get(quantization)
+    sinks = quantize_while_loading(model, beside if groups else quantization, draft) if quantization else {}
     try:
         model.load_weights(iter_weights(model_dir, select=lambda name: name not in provided), sinks)
     except KeyError as exc:

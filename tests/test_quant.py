@@ -176,6 +176,15 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     reference = logits[("dtype", "float32")]
     for kw in engines:
         assert (logits[kw] - reference).abs().max() < 0.05 * reference.abs().max(), kw
+    # As a STANDALONE draft under w4a8 the Q8_0 layer and the head are 4-bit too (a draft's bits change
+    # only acceptance); the output is the w4a8 target's.
+    spec = Engine(model_path=str(path), max_total_tokens=2048, quantization="w4a8", speculative_algorithm="STANDALONE",
+                  speculative_draft_model_path=str(path), speculative_draft_model_quantization="w4a8")
+    draft = spec._scheduler.worker.drafter.model
+    assert type(draft.model.layers[0].mlp.down_proj) is W4A8Linear and type(draft.quant_head) is W4A8Linear
+    assert type(spec._target.model.model.layers[0].mlp.down_proj) is Int8GroupLinear
+    plain = engines[("quantization", "w4a8")].generate(input_ids=[ids], sampling_params=GREEDY)
+    assert spec.generate(input_ids=[ids], sampling_params=GREEDY)[0]["output_ids"] == plain[0]["output_ids"]
 
 
 @pytest.mark.parametrize("kind", ["w4a8", "int4"])
@@ -199,9 +208,9 @@ def test_draft_quantization_quantizes_the_draft_and_stays_lossless(kind, algo, t
 @pytest.mark.parametrize("target_kind,head_kind,w4a8_head", [("w4a8", "auto", True), ("w4a8", "none", False),
                                                              ("none", "auto", False)])
 def test_auto_runs_a_head_in_w4a8_beside_a_w4a8_target(target_kind, head_kind, w4a8_head, target, tmp_path):
-    """--speculative-draft-model-quantization auto: an EAGLE-3 head's layers and fc run in w4a8 and its
-    own lm_head in int8 groups when the target runs w4a8, in the checkpoint's own weights otherwise or
-    with none; the output is the target's either way."""
+    """--speculative-draft-model-quantization auto: an EAGLE-3 head's layers, fc and own lm_head run in
+    w4a8 when the target does, in the checkpoint's own weights otherwise or with none; the output is the
+    target's either way."""
     if cpu_w4a8.library() is None:
         pytest.skip("no C compiler")
     eng = tiny_engine(target, "EAGLE3", quantization=target_kind, speculative_draft_model_quantization=head_kind,
@@ -211,12 +220,12 @@ def test_auto_runs_a_head_in_w4a8_beside_a_w4a8_target(target_kind, head_kind, w
     assert (type(layer.mlp.gate_up_proj) is W4A8Linear) == w4a8_head
     assert (type(layer.self_attn.qkv_proj) is W4A8Linear) == w4a8_head
     assert (type(draft.fc) is W4A8Linear) == w4a8_head
-    assert (type(draft.head.matmul) is Int8GroupLinear) == w4a8_head
-    if w4a8_head:       # the head's logits are its rows' within int8 rounding
+    assert (type(draft.head.matmul) is W4A8Linear) == w4a8_head
+    if w4a8_head:       # the head's logits are its rows' within 4-bit rounding
         h = torch.randn(3, draft.lm_head.weight.shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
         reference = h.float() @ draft.lm_head.weight.float().T
         logits = draft.head(h)[:, draft.head.ids]
-        assert (logits - reference).abs().max() <= 0.05 * reference.abs().max()
+        assert (logits - reference).abs().max() <= 0.1 * reference.abs().max()
     plain = tiny_engine(target, quantization=target_kind)
     ids = lossless_prompts()[3:]
     params = {"temperature": 0, "max_new_tokens": 12}

@@ -232,6 +232,10 @@ FROM_GROUPS = {"int4": Int4Linear, "w4a8": W4A8Linear}
 BESIDE_GROUPS = {"int4": "int4", "w4a8": "int8_groups"}
 # The head under each kind (int4 keeps a float one); the embedding is int8 rows beside a quantized head.
 HEADS = {"w8a8_int8": W8A8Linear, "w4a8": Int8GroupLinear, "int8_groups": Int8GroupLinear}
+# A draft's bits change only how often its tokens are accepted, and reading its bytes is its cost: under
+# w4a8 a draft's head is 4-bit too, as are a GGUF draft's layers stored above 4 bits (same accept
+# length on Qwen2.5-Coder; docs/serving.md, --speculative-draft-model-quantization).
+DRAFT_HEADS = {**HEADS, "w4a8": W4A8Linear}
 
 
 def decoder_linears(model: nn.Module, attrs: Sequence[str] = QUANTIZED_LINEARS
@@ -249,19 +253,21 @@ def quantizable(linear: nn.Linear, kind: str) -> bool:
 
 def quantize_loaded(model: nn.Module, kind: str) -> None:
     """Replace a draft model's loaded float linears (decoder and input projection) with `kind` ones, and
-    its own lm_head's matmul with the head `kind` keeps (none under int4)."""
+    its own lm_head's matmul with a draft's head under `kind` (none under int4)."""
     for _, parent, attr in list(decoder_linears(model, QUANTIZED_LINEARS + DRAFT_LINEARS)):
         linear = getattr(parent, attr)
         if quantizable(linear, kind):
             setattr(parent, attr, KINDS[kind].quantize(linear.weight, linear.bias))
     head = getattr(model, "head", None)
-    if kind in HEADS and hasattr(head, "quantize") and (kind == "w8a8_int8" or head.weight.shape[1] % GROUP == 0):
-        head.quantize(HEADS[kind])
+    if kind in DRAFT_HEADS and hasattr(head, "quantize") and (kind == "w8a8_int8" or head.weight.shape[1] % GROUP == 0):
+        head.quantize(DRAFT_HEADS[kind])
 
 
-def quantize_while_loading(model: nn.Module, kind: str) -> dict[str, Callable[[torch.Tensor], None]]:
+def quantize_while_loading(model: nn.Module, kind: str, draft: bool = False
+                           ) -> dict[str, Callable[[torch.Tensor], None]]:
     """Free the decoder's float linears now and return, per (fused) checkpoint weight name, where its
-    tensor goes when loading reads it: quantized as it arrives, so the float model never exists whole."""
+    tensor goes when loading reads it: quantized as it arrives, so the float model never exists whole.
+    A `draft` model's head is quantized as DRAFT_HEADS says."""
     sinks: dict[str, Callable[[torch.Tensor], None]] = {}
     for prefix, parent, attr in list(decoder_linears(model)):
         linear = getattr(parent, attr)
@@ -276,7 +282,7 @@ def quantize_while_loading(model: nn.Module, kind: str) -> dict[str, Callable[[t
 
         sinks[f"{prefix}.weight"] = sink
     if kind in HEADS and hasattr(model, "quant_head"):
-        sinks.update(_vocab_sinks(model, HEADS[kind]))
+        sinks.update(_vocab_sinks(model, (DRAFT_HEADS if draft else HEADS)[kind]))
     return sinks
 
 

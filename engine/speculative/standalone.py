@@ -42,7 +42,7 @@ def load_draft(args: ServerArgs, target: nn.Module, target_dir, dtype: torch.dty
 
     quantization = resolve_quantization(args.speculative_draft_model_quantization, draft_dir, device, args.dtype,
                                         config)
-    model = load_model(draft_dir, config, dtype, device, max_positions, quantization=quantization)
+    model = load_model(draft_dir, config, dtype, device, max_positions, quantization=quantization, draft=True)
     vocab = target.config.vocab_size
     hot = (load_token_map(args.speculative_token_map, min(vocab, config.vocab_size))
            if args.speculative_token_map else None)
