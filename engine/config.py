@@ -36,15 +36,15 @@ AUTO_TREE_OTHER = (3, 1, 4)
 # step. `spec tune`'s best trees for EAGLE-3 and STANDALONE there had one or two draft steps and 3
 # tokens; SGLang's auto trees ran 10-30% slower (docs/speculative.md, "Tree shape on a CPU").
 AUTO_TREE_CPU = (1, 2, 3)
+# The deepest draft a tree may have: positions run this far past the context length while verifying.
+MAX_SPECULATIVE_STEPS = 32
+_TREE_FIELDS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
 
 
 def sglang_auto_tree(model_type: str) -> tuple[int, int, int]:
     """SGLang's auto tree for a target family (the GPU's; also what head evaluations draft with, so that
     accept lengths measure the head on any device)."""
     return AUTO_TREE_LLAMA if model_type in ("llama", "mistral") else AUTO_TREE_OTHER
-# The deepest draft a tree may have: positions run this far past the context length while verifying.
-MAX_SPECULATIVE_STEPS = 32
-_TREE_FIELDS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
 
 
 def max_draft_tokens(steps: int, topk: int) -> int:

@@ -122,7 +122,8 @@ class Engine:
 
         if self._tp:
             self._tp.set_speculative(changes)      # every rank loads the same draft
-        args = resolve_args(dataclasses.replace(self.args, **changes), self.model_config, self._kv.table.device.type)
+        device = self._kv.table.device.type
+        args = resolve_args(dataclasses.replace(self.args, **changes), self.model_config, device)
 
         key = _draft_key(args)
         drafter = self._drafters.get(key)

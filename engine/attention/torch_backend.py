@@ -6,8 +6,9 @@ request's keys are its table row's first prefix_len slots, then its tail: extra 
 its new tokens' slots. All of it is built with tensor ops, whatever the batch size.
 
 On a CPU, decode steps (decode and tree verification), every one-token forward and a draft model's
-forwards of a few tokens per request go through kernels/cpu_attention.c instead: each token attends over the list of its visible keys where they lie
-in the pool, by a fixed sequence of operations, so a token's result is bit for bit the same alone
+forwards of a few tokens per request go through kernels/cpu_attention.c instead: each token attends
+over the list of its visible keys where they lie in the pool, by a fixed sequence of operations, so a
+token's result is bit for bit the same alone
 or verified among others. Speculative decoding then repeats plain decoding exactly, also where bf16
 or int8 rounding downstream would amplify a last-bit difference between SDPA's decode and extend
 paths into a different token. It is also faster for decode (1.4-3.3x gather + SDPA in float32,

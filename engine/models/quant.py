@@ -258,8 +258,9 @@ def quantize_loaded(model: nn.Module, kind: str) -> None:
         linear = getattr(parent, attr)
         if quantizable(linear, kind):
             setattr(parent, attr, KINDS[kind].quantize(linear.weight, linear.bias))
-    head = getattr(model, "head", None)
-    if kind in DRAFT_HEADS and hasattr(head, "quantize") and (kind == "w8a8_int8" or head.weight.shape[1] % GROUP == 0):
+    head = getattr(model, "head", None)         # an EAGLE-3 head's own rows, or an FR-Spec map's
+    if kind in DRAFT_HEADS and hasattr(head, "quantize") and (kind == "w8a8_int8"
+                                                            or head.weight.shape[1] % GROUP == 0):
         head.quantize(DRAFT_HEADS[kind])
 
 

@@ -97,7 +97,8 @@ class HotVocabHead:
 
     def __init__(self, weight: torch.Tensor, hot_ids: torch.Tensor, vocab_size: int):
         ids = hot_ids.to(weight.device)
-        # A contiguous copy of the hot rows; FR-Spec maps are refused under tensor parallelism (engine/config.py).
+        # A contiguous copy of the hot rows; no tensor-parallel group (FR-Spec maps are refused under
+        # tensor parallelism: engine/config.py).
         self._use(weight.detach()[ids], ids, vocab_size, None)
 
     def _use(self, rows: torch.Tensor, ids: torch.Tensor, vocab_size: int, tp_group) -> None:
