@@ -23,7 +23,7 @@
 
 #define LANES 16
 #define MAX_HEAD_DIM 512
-#define BLOCK 16           /* value rows summed per pass */
+#define KEY_BLOCK 80       /* keys (values) converted per pass: every tile width (4, 5, 8, 16) divides it */
 
 /* Row `i` of `n` floats: a pointer into fp32 storage, or converted from bf16 into `buf`. */
 static inline const float *row_of(const void *base, int bf16, int64_t i, int n, float *buf) {
@@ -51,30 +51,26 @@ static inline float reduce16(v16f acc) {
     return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
-/* sum(a * b) over d (a multiple of LANES), in 16 lanes reduced by reduce16. GCC's vector types keep it
- * in registers (an array was spilled to the stack). */
-static inline float dot(const float *a, const float *b, int d) {
-    v16f acc = {0};
-    for (int i = 0; i < d; i += LANES) acc += load16(a + i) * load16(b + i);
-    return reduce16(acc);
+/* A score is sum(q * k) over d in 16 lanes (lane l adds q[d] k[d] for d = l, l + 16, ... in order), the
+ * lanes then reduced as reduce16 does. reduce16x16 takes that tree for 16 such sums at once (lane c of
+ * the result is sum c), shuffling across the 16 vectors instead of within each: the same additions in
+ * a third of the operations. */
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+static inline v16f reduce16x16(const v16f a[16]) {
+    v16f h8[8], h4[4], h2[2];
+    for (int p = 0; p < 8; p++)     /* lanes 0-7: sum 2p's l + (l + 8); lanes 8-15: sum 2p + 1's */
+        h8[p] = SHUFFLE(a[2 * p], a[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                SHUFFLE(a[2 * p], a[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int p = 0; p < 4; p++)     /* four lanes each of sums 4p .. 4p + 3: l + (l + 4) */
+        h4[p] = SHUFFLE(h8[2 * p], h8[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                SHUFFLE(h8[2 * p], h8[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int p = 0; p < 2; p++)     /* two lanes each of sums 8p .. 8p + 7: 0 + 2 and 1 + 3 */
+        h2[p] = SHUFFLE(h4[2 * p], h4[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+                SHUFFLE(h4[2 * p], h4[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUFFLE(h2[0], h2[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           SHUFFLE(h2[0], h2[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
-
-/* dot(a, b[r]) for four rows b at once, each by exactly dot's operations: four independent chains
- * keep the FMA units busy where one waits on its own latency. */
-static inline void dot4(const float *a, const float *const b[4], int d, float out[4]) {
-    v16f acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0};
-    for (int i = 0; i < d; i += LANES) {
-        const v16f x = load16(a + i);
-        acc0 += x * load16(b[0] + i);
-        acc1 += x * load16(b[1] + i);
-        acc2 += x * load16(b[2] + i);
-        acc3 += x * load16(b[3] + i);
-    }
-    out[0] = reduce16(acc0);
-    out[1] = reduce16(acc1);
-    out[2] = reduce16(acc2);
-    out[3] = reduce16(acc3);
-}
+#undef SHUFFLE
 
 typedef struct {
     const void *q, *k_pool, *v_pool;
@@ -106,56 +102,143 @@ static inline float sum_of(const float *s, int64_t n) {
     return reduce16(acc + load16(tail));
 }
 
-/* Scores of query rows [r0, r1) (row r: token r / G, head h * G + r % G) against keys [j0, j1) of
- * `slots`, four keys at a time: the same operations per score whatever the range. */
-static void score_keys(const Problem *P, int h, const float *qf, int r0, int r1, const int64_t *slots,
-                       int64_t j0, int64_t j1, float *scores, float rows[BLOCK][MAX_HEAD_DIM]) {
-    const int D = P->D;
-    int64_t j = j0;
-    for (; j + 4 <= j1; j += 4) {
-        const float *k[4], *const *kc = k;
-        float four[4];
-        for (int i = 0; i < 4; i++) k[i] = row_of(P->k_pool, P->bf16, slots[j + i] * P->Hkv + h, D, rows[i]);
-        for (int r = r0; r < r1; r++) {
-            dot4(qf + (int64_t)r * D, kc, D, four);
-            for (int i = 0; i < 4; i++) scores[r * P->max_kv + j + i] = four[i] * P->scale;
+/* Keeps a loaded vector in a register: GCC otherwise folds the load into every FMA that uses it, and the
+ * loads, not the FMAs, then bound the loop. */
+#if defined(__x86_64__) && defined(__AVX512F__)
+#define IN_REGISTER(x) __asm__("" : "+v"(x))
+#else
+#define IN_REGISTER(x) (void)0
+#endif
+
+/* Scores of RT query rows (qf, stride D) against KT keys: RT x KT <= 16 sums in registers, each chunk of
+ * a query or a key loaded once for the tile, then one batched reduction. */
+static inline __attribute__((always_inline)) void score_tile(const float *qf, const float *const *k, int D,
+                                                             const int RT, const int KT, float scale,
+                                                             float *out[4]) {
+    v16f acc[16] = {0};
+    for (int d = 0; d < D; d += LANES) {
+        v16f q[4], kd[16];
+#pragma GCC unroll 4
+        for (int r = 0; r < RT; r++) {
+            q[r] = load16(qf + (int64_t)r * D + d);
+            IN_REGISTER(q[r]);
         }
+#pragma GCC unroll 16
+        for (int j = 0; j < KT; j++) {
+            kd[j] = load16(k[j] + d);
+            IN_REGISTER(kd[j]);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < RT; r++)
+#pragma GCC unroll 16
+            for (int j = 0; j < KT; j++) acc[r * KT + j] += q[r] * kd[j];
     }
-    for (; j < j1; j++) {
-        const float *k = row_of(P->k_pool, P->bf16, slots[j] * P->Hkv + h, D, rows[0]);
-        for (int r = r0; r < r1; r++) scores[r * P->max_kv + j] = dot(qf + (int64_t)r * D, k, D) * P->scale;
+    const v16f s = reduce16x16(acc) * scale;
+    for (int r = 0; r < RT; r++) memcpy(out[r], (const float *)&s + r * KT, sizeof(float) * KT);
+}
+
+/* Scores of query rows [r0, r1) (row r: token r / G, head h * G + r % G) against keys [j0, j1) of `slots`,
+ * into scores[r * max_kv + j]: tiles of up to 4 rows by 4 to 16 keys (the tile's last keys repeated past
+ * j1, their sums dropped). The same operations per score whatever the range or the tile. */
+static void score_keys(const Problem *P, int h, const float *qf, int r0, int r1, const int64_t *slots,
+                       int64_t j0, int64_t j1, float *scores, float *keys) {
+    const int D = P->D;
+    for (int64_t b = j0; b < j1; b += KEY_BLOCK) {
+        const int n = j1 - b < KEY_BLOCK ? (int)(j1 - b) : KEY_BLOCK;
+        const float *k[KEY_BLOCK + 16];
+        for (int i = 0; i < n; i++) k[i] = row_of(P->k_pool, P->bf16, slots[b + i] * P->Hkv + h, D, keys + i * D);
+        for (int i = n; i < n + 16; i++) k[i] = k[n - 1];
+        for (int r = r0; r < r1;) {
+            const int RT = r1 - r < 4 ? r1 - r : 4, KT = RT == 4 ? 4 : RT == 3 ? 5 : RT == 2 ? 8 : 16;
+            for (int i = 0; i < n; i += KT) {
+                float part[4][16], *out[4] = {part[0], part[1], part[2], part[3]};
+                const int m = n - i < KT ? n - i : KT;
+                const int full = m == KT;
+                for (int x = 0; x < RT && full; x++) out[x] = scores + (int64_t)(r + x) * P->max_kv + b + i;
+                const float *qr = qf + (int64_t)r * D, *const *ki = k + i;
+                switch (RT) {
+                case 4: score_tile(qr, ki, D, 4, 4, P->scale, out); break;
+                case 3: score_tile(qr, ki, D, 3, 5, P->scale, out); break;
+                case 2: score_tile(qr, ki, D, 2, 8, P->scale, out); break;
+                default: score_tile(qr, ki, D, 1, 16, P->scale, out); break;
+                }
+                for (int x = 0; x < RT && !full; x++)
+                    memcpy(scores + (int64_t)(r + x) * P->max_kv + b + i, part[x], sizeof(float) * m);
+            }
+            r += RT;
+        }
     }
 }
 
-/* acc[r] += p[r][j] * v[j] for rows [r0, r1), keys [j0, j1) in order: BLOCK keys at a time, each
- * 16 lanes of a row's sums kept in a register across the block. */
+/* acc[r][d..d + 64) += p[r][i] * v[i][d..d + 64) for RT rows, keys i in order: RT x 4 chunks of sums in
+ * registers, each value chunk loaded once for the RT rows. */
+static inline __attribute__((always_inline)) void value_tile(const float *p, int64_t p_stride, const float *const *v,
+                                                             int m, int d, float *acc, int D, const int RT) {
+    v16f s[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < RT; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) s[r][c] = load16(acc + (int64_t)r * D + d + 16 * c);
+    for (int i = 0; i < m; i++) {
+        v16f x[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            x[c] = load16(v[i] + d + 16 * c);
+            IN_REGISTER(x[c]);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < RT; r++) {
+            const float w = p[r * p_stride + i];
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) s[r][c] += w * x[c];
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RT; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) memcpy(acc + (int64_t)r * D + d + 16 * c, &s[r][c], sizeof(v16f));
+}
+
+/* acc[r] += p[r][j] * v[j] for rows [r0, r1), keys [j0, j1) in order: each lane of acc adds its keys' terms
+ * one after another, whatever the tiling (up to 4 rows by 64 lanes, then 16-lane chunks). */
 static void sum_values(const Problem *P, int h, const float *scores, int r0, int r1, const int64_t *slots,
-                       int64_t j0, int64_t j1, float *acc, float rows[BLOCK][MAX_HEAD_DIM]) {
+                       int64_t j0, int64_t j1, float *acc, float *values) {
     const int D = P->D;
-    for (int64_t j = j0; j < j1; j += BLOCK) {
-        const int m = j1 - j < BLOCK ? (int)(j1 - j) : BLOCK;
-        const float *v[BLOCK];
-        for (int i = 0; i < m; i++) v[i] = row_of(P->v_pool, P->bf16, slots[j + i] * P->Hkv + h, D, rows[i]);
-        for (int r = r0; r < r1; r++) {
+    for (int64_t j = j0; j < j1; j += KEY_BLOCK) {
+        const int m = j1 - j < KEY_BLOCK ? (int)(j1 - j) : KEY_BLOCK;
+        const float *v[KEY_BLOCK];
+        for (int i = 0; i < m; i++) v[i] = row_of(P->v_pool, P->bf16, slots[j + i] * P->Hkv + h, D, values + i * D);
+        for (int r = r0; r < r1;) {
+            const int RT = r1 - r < 4 ? r1 - r : 4;
             const float *p = scores + r * P->max_kv + j;
             float *a = acc + (int64_t)r * D;
-            for (int d = 0; d < D; d += LANES) {
-                v16f sum = load16(a + d);
-                for (int i = 0; i < m; i++) sum += p[i] * load16(v[i] + d);
-                memcpy(a + d, &sum, sizeof sum);
-            }
+            int d = 0;
+            for (; d + 4 * LANES <= D; d += 4 * LANES) switch (RT) {
+                case 4: value_tile(p, P->max_kv, v, m, d, a, D, 4); break;
+                case 3: value_tile(p, P->max_kv, v, m, d, a, D, 3); break;
+                case 2: value_tile(p, P->max_kv, v, m, d, a, D, 2); break;
+                default: value_tile(p, P->max_kv, v, m, d, a, D, 1); break;
+                }
+            for (; d < D; d += LANES)
+                for (int x = 0; x < RT; x++) {
+                    v16f s0 = load16(a + (int64_t)x * D + d);
+                    for (int i = 0; i < m; i++) s0 += p[x * P->max_kv + i] * load16(v[i] + d);
+                    memcpy(a + (int64_t)x * D + d, &s0, sizeof s0);
+                }
+            r += RT;
         }
     }
 }
 
 /* Tokens [t0, t1), which all see their first `shared` keys (the same slots), with KV head h: those keys
- * are read once for all of them. Scratch: scores [rows, max_kv], qf and acc [rows, D], sums [rows]. */
+ * are read once for all of them. Scratch: scores [rows, max_kv], qf and acc [rows, D], sums [rows], rows
+ * [KEY_BLOCK, D] for converted keys and values. */
 static void attend_item(const Problem *P, int64_t t0, int64_t t1, int64_t shared, int h, float *scores,
-                        float *qf, float *acc, float *sums, float rows[BLOCK][MAX_HEAD_DIM]) {
+                        float *qf, float *acc, float *sums, float *rows) {
     const int D = P->D, G = P->G, R = (int)(t1 - t0) * G;
     for (int r = 0; r < R; r++) {
         const int64_t t = t0 + r / G;
-        const float *x = row_of(P->q, P->bf16, t * P->H + (int64_t)h * G + r % G, D, rows[0]);
+        const float *x = row_of(P->q, P->bf16, t * P->H + (int64_t)h * G + r % G, D, rows);
         memcpy(qf + (int64_t)r * D, x, (size_t)D * sizeof(float));
     }
     score_keys(P, h, qf, 0, R, P->kv_index + t0 * P->max_kv, 0, shared, scores, rows);
@@ -216,8 +299,8 @@ int spec_attend(const void *q, const void *k_pool, const void *v_pool, void *out
         float *qf = malloc((size_t)R * D * sizeof(float));
         float *acc = malloc((size_t)R * D * sizeof(float));
         float *sums = malloc((size_t)R * sizeof(float));
-        float rows[BLOCK][MAX_HEAD_DIM];
-        if (!scores || !qf || !acc || !sums) failed = 1;
+        float *rows = malloc((size_t)KEY_BLOCK * D * sizeof(float));
+        if (!scores || !qf || !acc || !sums || !rows) failed = 1;
 #pragma omp for schedule(dynamic)
         for (int64_t item = 0; item < items * Hkv; item++) {
             if (failed) continue;
@@ -229,6 +312,7 @@ int spec_attend(const void *q, const void *k_pool, const void *v_pool, void *out
         free(qf);
         free(acc);
         free(sums);
+        free(rows);
     }
     free(first);
     free(group);
