@@ -133,16 +133,23 @@ static inline __attribute__((always_inline)) void block_dot(
         }
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ws + g * 16)));
         const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + g * 16)));
-        for (int r = 0; r < ROWS; r++) {
-            const int8_t *a = x8 + r * K + g * GROUP;
-            __m512i s = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j++) {
+        /* Row by row, each sum waited on its previous VNNI instruction 8 times a group; interleaved, the
+         * rows' chains overlap (1.1-1.2x at 8 rows). Integer sums: the same values in any order. */
+        __m512i s[MR];
+#pragma GCC unroll 8
+        for (int r = 0; r < ROWS; r++) s[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++)
+#pragma GCC unroll 8
+            for (int r = 0; r < ROWS; r++) {
                 int32_t quad;
-                memcpy(&quad, a + 4 * j, 4);
-                s = _mm512_dpbusd_epi32(s, q[j], _mm512_set1_epi32(quad));
+                memcpy(&quad, x8 + r * K + g * GROUP + 4 * j, 4);
+                s[r] = _mm512_dpbusd_epi32(s[r], q[j], _mm512_set1_epi32(quad));
             }
+#pragma GCC unroll 8
+        for (int r = 0; r < ROWS; r++) {
             const __m512 d = _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * G + g]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), d, acc[r]);
             acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[r * G + g]), acc[r]);
         }
     }
