@@ -40,6 +40,18 @@ def test_kernel_matches_the_reference(n, k, rows, dtype, bits):
     assert (y.double() - expected).abs().max() <= tolerance * expected.abs().max()
 
 
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
+def test_bf16_results_are_the_fp32_results_rounded_as_torch_rounds(bias_dtype):
+    """The same activations in bf16 and in fp32 give the same sums; the bf16 result (full blocks of 16
+    rows stored by vectors, the last block of 40 by scalar code) must be the fp32 one rounded by torch."""
+    q, scale, low = weights(40, 96, seed=2)
+    packed = cpu_w4a8.pack(q, scale, low)
+    bias = None if bias_dtype is None else (torch.randn(40) * 1e3).to(bias_dtype)
+    x = (torch.randn(11, 96) * torch.logspace(-30, 30, 11)[:, None]).to(torch.bfloat16)   # tiny to huge
+    y32 = cpu_w4a8.linear(x.float(), *packed, bias, 40)
+    assert torch.equal(cpu_w4a8.linear(x, *packed, bias, 40), y32.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_rows_and_threads_do_not_change_a_rows_bits(bits):
     q, scale, low = weights(48, 256, seed=1, bits=bits)
