@@ -218,8 +218,9 @@ static void store_block(const struct spec_w4a8_layer *L, const float *y, int row
     if (width == NB) {
         __m512 bias = _mm512_setzero_ps();
         if (L->bias)
-            bias = L->bias_bf16 ? bf16x16_to_float(_mm256_loadu_si256((const __m256i *)((const uint16_t *)L->bias + n0)))
-                                : _mm512_loadu_ps((const float *)L->bias + n0);
+            bias = L->bias_bf16
+                       ? bf16x16_to_float(_mm256_loadu_si256((const __m256i *)((const uint16_t *)L->bias + n0)))
+                       : _mm512_loadu_ps((const float *)L->bias + n0);
         for (int r = 0; r < rows; r++) {
             __m512 v = _mm512_loadu_ps(y + r * NB);
             if (L->bias) v = _mm512_add_ps(v, bias);
@@ -244,7 +245,8 @@ static void store_block(const struct spec_w4a8_layer *L, const float *y, int row
         for (int n = from; n < width; n++) {
             float v = y[r * NB + n];
             if (L->bias)
-                v += L->bias_bf16 ? bf16_to_float(((const uint16_t *)L->bias)[n0 + n]) : ((const float *)L->bias)[n0 + n];
+                v += L->bias_bf16 ? bf16_to_float(((const uint16_t *)L->bias)[n0 + n])
+                                  : ((const float *)L->bias)[n0 + n];
             const int64_t at = (m0 + r) * N + n0 + n;
             if (bf16) ((uint16_t *)out)[at] = float_to_bf16(v);
             else ((float *)out)[at] = v;
