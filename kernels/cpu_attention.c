@@ -23,6 +23,9 @@
 
 #include "common.h"
 #include "kernels.h"
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #define LANES 16
 #define MAX_HEAD_DIM 512
@@ -134,10 +137,9 @@ static inline __attribute__((always_inline)) void products(const float *qf, cons
 }
 
 #if defined(__AVX512BF16__)
-#include <immintrin.h>
 #define PAIRS 1
-/* As products, on bf16 rows as stored, 32 dimensions from d: lane l adds dimension d + 2l + 1's product,
- * then d + 2l's (vdpbf16ps). */
+/* As products, on bf16 rows as stored, 32 dimensions from d: lane l adds the products of dimensions
+ * d + 2l and d + 2l + 1 (vdpbf16ps). */
 static inline __attribute__((always_inline)) void pair_products(const uint16_t *qb, const uint16_t *const *k, int D,
                                                                 int d, const int RT, const int KT, v16f *acc) {
     __m512bh q[4], kd[16];
