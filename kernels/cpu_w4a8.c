@@ -121,6 +121,10 @@ static inline __attribute__((always_inline)) void block_dot(
         const uint8_t *wg = w + (int64_t)g * 64 * BITS;
         for (int c = 0; c < BITS; c++)      /* the next block's same lines: a layer's first touch is DRAM's */
             _mm_prefetch((const char *)(wg + 2 * (int64_t)G * 64 * BITS + 64 * c), _MM_HINT_T0);
+        if (g % 2 == 0) {                   /* and its scales and mins, a line per 2 groups (8 rows from DRAM: 1.2x) */
+            _mm_prefetch((const char *)(ws + (2 * (int64_t)G + g) * NB), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wm + (2 * (int64_t)G + g) * NB), _MM_HINT_T0);
+        }
         for (int c = 0; c < 4; c++) {
             const __m512i v = _mm512_loadu_si512((const void *)(wg + 64 * c));
             if (BITS == 8) {
