@@ -212,7 +212,7 @@ static void block_rows(const uint8_t *w, const uint16_t *ws, const uint16_t *wm,
 }
 
 /* out[m0 + r, b * NB + n] = y[r * NB + n] (+ bias) in x's dtype, as float_to_bf16 rounds; a full block 16
- * lanes at a time (the same operations: in scalar code this loop was a quarter of a SmolLM2 layer). */
+ * lanes at a time (the same operations: in scalar code this loop took a quarter of a SmolLM2 linear). */
 static void store_block(const struct spec_w4a8_layer *L, const float *y, int rows, int64_t b, int64_t m0, int bf16,
                         void *out) {
     const int64_t N = L->N, n0 = b * NB;
