@@ -9,9 +9,9 @@
  *   y[m, n] = sum over groups g, in order, of  scale[n, g] * dx[m, g] * sum_i q[n, g, i] x8[m, g, i]
  *                                            + min[n, g] * sx[m, g]
  * with sx[m, g] = dx[m, g] * sum_i x8[m, g, i]. Weights are unpacked once per call for up to 8 rows
- * (one row is bound by memory, 8 by the VNNI instructions, 8 per row, group and block: on 2 EPYC cores
- * 8 rows of Qwen2.5-1.5B's gate/up cost 1.1-1.3x one row read from DRAM), and a row's result is a fixed sequence of
- * operations on that row alone: it does not depend on the other rows of the call or on threads, which
+ * (one row is bound by memory, 8 by the VNNI instructions, 8 per row, group and block: on 2 EPYC
+ * cores 8 rows of Qwen2.5-1.5B's gate/up cost 1.1-1.3x one row read from DRAM), and a row's result
+ * is a fixed sequence of operations on that row alone: it does not depend on the other rows of the call or on threads, which
  * speculative decoding's losslessness rests on.
  *
  * Weight layout (kernels/cpu_w4a8.py packs it): rows in blocks of 16 (N padded), per block and group
@@ -236,9 +236,9 @@ static void store_block(const struct spec_w4a8_layer *L, const float *y, int row
             const __m512i u = _mm512_castps_si512(v), high = _mm512_srli_epi32(u, 16);
             const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
                                                            _mm512_set1_epi32(0x7f800000));
-            const __m512i bias_rne = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+            const __m512i rne = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
                                                       _mm512_and_si512(high, _mm512_set1_epi32(1)));
-            __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, bias_rne), 16);
+            __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, rne), 16);
             h = _mm512_mask_mov_epi32(h, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
             _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), _mm512_cvtepi32_epi16(h));
         }
