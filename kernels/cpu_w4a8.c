@@ -11,8 +11,8 @@
  * with sx[m, g] = dx[m, g] * sum_i x8[m, g, i]. Weights are unpacked once per call for up to 8 rows
  * (one row is bound by memory, 8 by the VNNI instructions, 8 per row, group and block: on 2 EPYC
  * cores 8 rows of Qwen2.5-1.5B's gate/up cost 1.1-1.3x one row read from DRAM), and a row's result
- * is a fixed sequence of operations on that row alone: it does not depend on the other rows of the call or on threads, which
- * speculative decoding's losslessness rests on.
+ * is a fixed sequence of operations on that row alone: it does not depend on the other rows of the
+ * call or on threads, which speculative decoding's losslessness rests on.
  *
  * Weight layout (kernels/cpu_w4a8.py packs it): rows in blocks of 16 (N padded), per block and group
  * 8 vectors of 16 rows x 4 weights (byte 4 n + i of vector j is q[n][4 j + i]), the shape of one VNNI
