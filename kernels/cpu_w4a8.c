@@ -61,6 +61,16 @@ static inline __m512 bf16x16_to_float(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* float_to_bf16 (common.h) on 16 lanes: round to nearest even, NaN stays NaN. */
+static inline __m256i float_to_bf16x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v), high = _mm512_srli_epi32(u, 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                   _mm512_set1_epi32(0x7f800000));
+    const __m512i rne = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)));
+    const __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, rne), 16);
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(h, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40))));
+}
+
 static void quantize_row(const void *x, int bf16, int K, int8_t *x8, float *dx, float *sx) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int g = 0; g < K / GROUP; g++) {
@@ -229,18 +239,8 @@ static void store_block(const struct spec_w4a8_layer *L, const float *y, int row
             __m512 v = _mm512_loadu_ps(y + r * NB);
             if (L->bias) v = _mm512_add_ps(v, bias);
             const int64_t at = (m0 + r) * N + n0;
-            if (!bf16) {
-                _mm512_storeu_ps((float *)out + at, v);
-                continue;
-            }
-            const __m512i u = _mm512_castps_si512(v), high = _mm512_srli_epi32(u, 16);
-            const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                           _mm512_set1_epi32(0x7f800000));
-            const __m512i rne = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                      _mm512_and_si512(high, _mm512_set1_epi32(1)));
-            __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, rne), 16);
-            h = _mm512_mask_mov_epi32(h, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
-            _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), _mm512_cvtepi32_epi16(h));
+            if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), float_to_bf16x16(v));
+            else _mm512_storeu_ps((float *)out + at, v);
         }
         from = NB;
     }
