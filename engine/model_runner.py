@@ -53,10 +53,10 @@ _W8A8_MIN_WEIGHTS = 2_000_000
 
 def resolve_quantization(name: str, model_dir, device: str, dtype: str, config=None) -> Optional[str]:
     """What --quantization (or the draft's) means for this model: a kind of engine/models/quant.py, or
-    None. auto: a GGUF (its converted directory keeps its 4-bit groups) on the CPU, unless float32 is
+    None. auto: a GGUF (its converted directory keeps its 4- and 6-bit groups) on the CPU, unless float32 is
     asked for: w4a8 where its kernel runs on VNNI, else the format that decodes it faster (see
     _W8A8_MIN_WEIGHTS)."""
-    from engine.loader.gguf_convert import int4_groups
+    from engine.loader.gguf_convert import gguf_groups
     from engine.models.quant import KINDS
     from spec_kernels import cpu_w4a8
 
@@ -71,7 +71,7 @@ def resolve_quantization(name: str, model_dir, device: str, dtype: str, config=N
             raise ConfigError("--quantization w4a8 takes bfloat16 or float32 activations: drop --dtype float16, "
                               "or pick int4 or w8a8_int8.")
         return name
-    if name != "auto" or device != "cpu" or dtype == "float32" or int4_groups(model_dir) is None:
+    if name != "auto" or device != "cpu" or dtype == "float32" or gguf_groups(model_dir) is None:
         return None
     if cpu_w4a8.kernel_name() == "avx512-vnni" and dtype != "float16":
         return "w4a8"
@@ -83,13 +83,13 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
                prepack: bool = True, quantization: Optional[str] = None, draft: bool = False) -> nn.Module:
     """Build the target architecture on `device` and load its weights, quantized as `quantization`
     says (engine/models/quant.py: the decoder's linears as they are read, so the float model never
-    exists whole; with int4 a GGUF's 4-bit layers from its own groups, exactly); the remaining CPU
-    linears are prepacked when there is memory for it and `prepack` (engine/models/prepack.py; a
-    compiled model packs its own). Under tensor parallelism the model is this rank's block. A `draft`
+    exists whole; a GGUF's 4-bit layers, and under w4a8 a target's Q6_K ones, from its own groups,
+    exactly); the remaining CPU linears are prepacked when there is memory for it and `prepack`
+    (engine/models/prepack.py; a compiled model packs its own). Under tensor parallelism the model is this rank's block. A `draft`
     is quantized as quant.DRAFT_HEADS says. `model.weight_bytes` tells what it holds."""
     from engine.distributed.sharding import local_config, local_groups
     from engine.loader import iter_weights
-    from engine.loader.gguf_convert import int4_groups
+    from engine.loader.gguf_convert import gguf_groups
     from engine.models.quant import (BESIDE_GROUPS, FROM_GROUPS, install_gguf_groups, quantize_while_loading,
                                      release_freed_memory)
 
@@ -102,8 +102,8 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
     model.config = config
     model.to(dtype)
     materialize(model, device)
-    groups = int4_groups(model_dir) if quantization in FROM_GROUPS else None
-    provided = install_gguf_groups(model, local_groups(groups), quantization) if groups else set()
+    groups = gguf_groups(model_dir) if quantization in FROM_GROUPS else None
+    provided = install_gguf_groups(model, local_groups(groups), quantization, draft) if groups else set()
     # A draft's GGUF layers stored above 4 bits are rounded to its kind too (quant.DRAFT_HEADS says why).
     beside = quantization if draft else BESIDE_GROUPS.get(quantization)
     sinks = quantize_while_loading(model, beside if groups else quantization, draft) if quantization else {}

@@ -1,24 +1,30 @@
-/* Linear layers with 4- or 8-bit weights and 8-bit activations on the CPU (kernels/cpu_w4a8.py builds
+/* Linear layers with 4-, 6- or 8-bit weights and 8-bit activations on the CPU (kernels/cpu_w4a8.py builds
  * and calls it): y = x W^T (+ bias), W [N, K] in groups of 32 weights along K, w = q * scale + min with
  * q in 0..15 (GGUF's Q4_0, Q4_1 and Q4_K blocks are this form) or in 0..255 (a symmetric int8 group,
- * Q8_0's form, stored offset by 128 with min = -128 * scale), scale and min stored as fp16.
+ * Q8_0's form, stored offset by 128 with min = -128 * scale), scale and min stored as fp16; or GGUF's
+ * Q6_K as it is: w = d * sc * (q - 32), q in 0..63, an int8 sc per 16 weights, an fp16 d per 256.
  *
  * Each activation row is quantized to int8 in the same groups of 32 (one scale per group, symmetric,
  * as llama.cpp's Q8 blocks), so a group's dot product is an exact integer sum of q * x8, taken by
  * VNNI's u8 x s8 instruction where the CPU has it:
  *   y[m, n] = sum over groups g, in order, of  scale[n, g] * dx[m, g] * sum_i q[n, g, i] x8[m, g, i]
  *                                            + min[n, g] * sx[m, g]
- * with sx[m, g] = dx[m, g] * sum_i x8[m, g, i]. Weights are unpacked once per call for up to 8 rows
- * (one row is bound by memory, 8 by the VNNI instructions, 8 per row, group and block: on 2 EPYC
- * cores 8 rows of Qwen2.5-1.5B's gate/up cost 1.1-1.3x one row read from DRAM), and a row's result
- * is a fixed sequence of operations on that row alone: it does not depend on the other rows of the
- * call or on threads, which speculative decoding's losslessness rests on.
+ * with sx[m, g] = dx[m, g] * sum_i x8[m, g, i]. For 6 bits a group is two halves of 16, each
+ *   d[n] sc[n, h] * dx[m, g] * (sum_i q[n, h, i] x8[m, h, i] - 32 sum_i x8[m, h, i])
+ * with the offset taken in the integer sum (d * sc is exact in fp32). Weights are unpacked once per
+ * call for up to 8 rows (one row is bound by memory, 8 by the VNNI instructions, 8 per row, group and
+ * block: on 2 EPYC cores 8 rows of Qwen2.5-1.5B's gate/up cost 1.1-1.3x one row read from DRAM), and a
+ * row's result is a fixed sequence of operations on that row alone: it does not depend on the other
+ * rows of the call or on threads, which speculative decoding's losslessness rests on.
  *
  * Weight layout (kernels/cpu_w4a8.py packs it): rows in blocks of 16 (N padded), per block and group
  * 8 vectors of 16 rows x 4 weights (byte 4 n + i of vector j is q[n][4 j + i]), the shape of one VNNI
  * instruction against 4 activation bytes broadcast. 8-bit: the 8 vectors as they are (512 bytes);
  * 4-bit: 4 chunks of 64 bytes, chunk c holding vector c in its low nibbles and vector c + 4 in its
- * high ones (256 bytes). Scales and mins: [blocks][G][16].
+ * high ones (256 bytes); 6-bit: those 4 chunks of the low 4 bits, then 2 chunks of the high 2 bits,
+ * chunk c's bits 2t, 2t + 1 those of vector 4c + t (384 bytes: 0.82 bytes a weight, as Q6_K). Scales
+ * and mins: [blocks][G][16]; for 6 bits the scales are int8 [blocks][G][2 halves][16] and the mins'
+ * place holds d, [blocks][K / 256][16].
  */
 #include <math.h>
 #include <stdint.h>
@@ -54,7 +60,8 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-/* One activation row -> int8 groups: x8 [K], dx [G] (group scale), sx [G] (dx * sum of the group).
+/* One activation row -> int8 groups: x8 [K], dx [G] (group scale), sx [G] (dx * sum of the group), xh [2 G]
+ * (the integer sums of the groups' halves, for 6-bit weights).
  * x8 = round-to-nearest-even(x * (127 / amax)) in both paths, so they give the same bits. */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 static inline __m512 bf16x16_to_float(__m256i h) {
@@ -71,7 +78,7 @@ static inline __m256i float_to_bf16x16(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(h, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40))));
 }
 
-static void quantize_row(const void *x, int bf16, int K, int8_t *x8, float *dx, float *sx) {
+static void quantize_row(const void *x, int bf16, int K, int8_t *x8, float *dx, float *sx, int32_t *xh) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int g = 0; g < K / GROUP; g++) {
         __m512 a, b;
@@ -90,11 +97,12 @@ static void quantize_row(const void *x, int bf16, int K, int8_t *x8, float *dx, 
         _mm_storeu_si128((__m128i *)(x8 + g * GROUP), _mm512_cvtepi32_epi8(qa));
         _mm_storeu_si128((__m128i *)(x8 + g * GROUP + 16), _mm512_cvtepi32_epi8(qb));
         dx[g] = d;
-        sx[g] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        xh[2 * g] = _mm512_reduce_add_epi32(qa), xh[2 * g + 1] = _mm512_reduce_add_epi32(qb);
+        sx[g] = d * (float)(xh[2 * g] + xh[2 * g + 1]);
     }
 }
 #else
-static void quantize_row(const void *x, int bf16, int K, int8_t *x8, float *dx, float *sx) {
+static void quantize_row(const void *x, int bf16, int K, int8_t *x8, float *dx, float *sx, int32_t *xh) {
     float v[GROUP];
     for (int g = 0; g < K / GROUP; g++) {
         float amax = 0.0f;
@@ -104,14 +112,15 @@ static void quantize_row(const void *x, int bf16, int K, int8_t *x8, float *dx, 
             amax = a > amax ? a : amax;
         }
         const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0;
+        int32_t half[2] = {0, 0};
         for (int i = 0; i < GROUP; i++) {
             int q = (int)nearbyintf(v[i] * inv);
             x8[g * GROUP + i] = (int8_t)q;
-            sum += q;
+            half[i / 16] += q;
         }
         dx[g] = d;
-        sx[g] = d * (float)sum;
+        xh[2 * g] = half[0], xh[2 * g + 1] = half[1];
+        sx[g] = d * (float)(half[0] + half[1]);
     }
 }
 #endif
@@ -119,11 +128,11 @@ static void quantize_row(const void *x, int bf16, int K, int8_t *x8, float *dx, 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KERNEL "avx512-vnni"
 /* acc[r] (16 rows of W) += rows r < ROWS of x8 (stride K) against one block of weights, group by group.
- * Inlined with ROWS constant, so that the accumulators stay in registers. */
+ * Inlined with BITS and ROWS constant, so that the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void block_dot(
         const uint8_t *w, const uint16_t *ws, const uint16_t *wm, int G, const int8_t *x8, int64_t K,
-        const float *dx, const float *sx, const int BITS, const int ROWS, float *out) {
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
+        const float *dx, const float *sx, const int32_t *xh, const int BITS, const int ROWS, float *out) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
     __m512 acc[MR];
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
@@ -131,10 +140,12 @@ static inline __attribute__((always_inline)) void block_dot(
         const uint8_t *wg = w + (int64_t)g * 64 * BITS;
         for (int c = 0; c < BITS; c++)      /* the next block's same lines: a layer's first touch is DRAM's */
             _mm_prefetch((const char *)(wg + 2 * (int64_t)G * 64 * BITS + 64 * c), _MM_HINT_T0);
-        if (g % 2 == 0) {                   /* and its scales and mins, a line per 2 groups (8 rows from DRAM: 1.2x) */
+        if (g % 2 == 0)                     /* and its scales and mins, a line per 2 groups (8 rows from DRAM: 1.2x) */
             _mm_prefetch((const char *)(ws + (2 * (int64_t)G + g) * NB), _MM_HINT_T0);
+        if (BITS != 6 && g % 2 == 0)
             _mm_prefetch((const char *)(wm + (2 * (int64_t)G + g) * NB), _MM_HINT_T0);
-        }
+        if (BITS == 6 && g % 8 == 0)
+            _mm_prefetch((const char *)(wm + (2 * (int64_t)(G / 8) + g / 8) * NB), _MM_HINT_T0);
         for (int c = 0; c < 4; c++) {
             const __m512i v = _mm512_loadu_si512((const void *)(wg + 64 * c));
             if (BITS == 8) {
@@ -145,11 +156,41 @@ static inline __attribute__((always_inline)) void block_dot(
                 q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
             }
         }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ws + g * 16)));
-        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + g * 16)));
+        if (BITS == 6)                      /* the high 2 bits: vector 4 c + t's at bits 2 t, moved to bits 4-5 */
+            for (int c = 0; c < 2; c++) {
+                const __m512i h = _mm512_loadu_si512((const void *)(wg + 64 * (4 + c)));
+                const __m512i at[4] = {_mm512_slli_epi16(h, 4), _mm512_slli_epi16(h, 2), h, _mm512_srli_epi16(h, 2)};
+                for (int t = 0; t < 4; t++)     /* q | (at & 0x30) */
+                    q[4 * c + t] = _mm512_ternarylogic_epi32(q[4 * c + t], at[t], high2, 0xf8);
+            }
         /* Row by row, each sum waited on its previous VNNI instruction 8 times a group; interleaved, the
          * rows' chains overlap (1.1-1.2x at 8 rows). Integer sums: the same values in any order. */
         __m512i s[MR];
+        if (BITS == 6) {
+            const __m256i sc = _mm256_loadu_si256((const __m256i *)(ws + g * 16));
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + g / 8 * 16)));
+            const __m512 dh[2] = {_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(sc))), d),
+                                  _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(sc, 1))), d)};
+            for (int h = 0; h < 2; h++) {
+#pragma GCC unroll 8
+                for (int r = 0; r < ROWS; r++) s[r] = _mm512_set1_epi32(-32 * xh[r * 2 * G + 2 * g + h]);
+#pragma GCC unroll 4
+                for (int j = 4 * h; j < 4 * h + 4; j++)
+#pragma GCC unroll 8
+                    for (int r = 0; r < ROWS; r++) {
+                        int32_t quad;
+                        memcpy(&quad, x8 + r * K + g * GROUP + 4 * j, 4);
+                        s[r] = _mm512_dpbusd_epi32(s[r], q[j], _mm512_set1_epi32(quad));
+                    }
+#pragma GCC unroll 8
+                for (int r = 0; r < ROWS; r++)
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(dh[h], _mm512_set1_ps(dx[r * G + g])),
+                                             acc[r]);
+            }
+            continue;
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ws + g * 16)));
+        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + g * 16)));
 #pragma GCC unroll 8
         for (int r = 0; r < ROWS; r++) s[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
@@ -173,7 +214,7 @@ static inline __attribute__((always_inline)) void block_dot(
 #define KERNEL "portable"
 static inline __attribute__((always_inline)) void block_dot(
         const uint8_t *w, const uint16_t *ws, const uint16_t *wm, int G, const int8_t *x8, int64_t K,
-        const float *dx, const float *sx, const int BITS, const int ROWS, float *out) {
+        const float *dx, const float *sx, const int32_t *xh, const int BITS, const int ROWS, float *out) {
     float acc[MR][NB] = {{0}};
     for (int g = 0; g < G; g++) {
         uint8_t q[8][64];
@@ -183,16 +224,27 @@ static inline __attribute__((always_inline)) void block_dot(
                 q[c][b] = BITS == 8 ? wg[64 * c + b] : wg[64 * c + b] & 0x0f;
                 q[c + 4][b] = BITS == 8 ? wg[64 * (c + 4) + b] : wg[64 * c + b] >> 4;
             }
+        if (BITS == 6)
+            for (int j = 0; j < 8; j++)
+                for (int b = 0; b < 64; b++) q[j][b] |= ((wg[64 * (4 + j / 4) + b] >> (2 * (j % 4))) & 3) << 4;
         for (int r = 0; r < ROWS; r++) {
             const int8_t *a = x8 + r * K + g * GROUP;
-            int32_t s[NB] = {0};
-            for (int j = 0; j < 8; j++)
-                for (int n = 0; n < NB; n++)
-                    for (int i = 0; i < 4; i++) s[n] += (int32_t)q[j][4 * n + i] * a[4 * j + i];
-            for (int n = 0; n < NB; n++) {
-                const float d = half_to_float(ws[g * 16 + n]) * dx[r * G + g];
-                acc[r][n] = fmaf((float)s[n], d, acc[r][n]);
-                acc[r][n] = fmaf(half_to_float(wm[g * 16 + n]), sx[r * G + g], acc[r][n]);
+            for (int h = 0; h < (BITS == 6 ? 2 : 1); h++) {
+                int32_t s[NB];
+                for (int n = 0; n < NB; n++) s[n] = BITS == 6 ? -32 * xh[r * 2 * G + 2 * g + h] : 0;
+                for (int j = 4 * h; j < (BITS == 6 ? 4 * h + 4 : 8); j++)
+                    for (int n = 0; n < NB; n++)
+                        for (int i = 0; i < 4; i++) s[n] += (int32_t)q[j][4 * n + i] * a[4 * j + i];
+                for (int n = 0; n < NB; n++) {
+                    if (BITS == 6) {
+                        const float dh = half_to_float(wm[g / 8 * 16 + n]) * (float)((const int8_t *)(ws + g * 16))[16 * h + n];
+                        acc[r][n] = fmaf((float)s[n], dh * dx[r * G + g], acc[r][n]);
+                    } else {
+                        const float d = half_to_float(ws[g * 16 + n]) * dx[r * G + g];
+                        acc[r][n] = fmaf((float)s[n], d, acc[r][n]);
+                        acc[r][n] = fmaf(half_to_float(wm[g * 16 + n]), sx[r * G + g], acc[r][n]);
+                    }
+                }
             }
         }
     }
@@ -204,19 +256,20 @@ const char *spec_w4a8_kernel(void) { return KERNEL; }
 
 /* One pass of `rows` activation rows over a block, with BITS and ROWS constant in each copy. */
 static void block_rows(const uint8_t *w, const uint16_t *ws, const uint16_t *wm, int G, const int8_t *a,
-                       int64_t K, const float *d, const float *s, int bits, int rows, float *y) {
-#define ROWS_CASES(BITS)                                                     \
-    switch (rows) {                                                          \
-    case 1: block_dot(w, ws, wm, G, a, K, d, s, BITS, 1, y); break;          \
-    case 2: block_dot(w, ws, wm, G, a, K, d, s, BITS, 2, y); break;          \
-    case 3: block_dot(w, ws, wm, G, a, K, d, s, BITS, 3, y); break;          \
-    case 4: block_dot(w, ws, wm, G, a, K, d, s, BITS, 4, y); break;          \
-    case 5: block_dot(w, ws, wm, G, a, K, d, s, BITS, 5, y); break;          \
-    case 6: block_dot(w, ws, wm, G, a, K, d, s, BITS, 6, y); break;          \
-    case 7: block_dot(w, ws, wm, G, a, K, d, s, BITS, 7, y); break;          \
-    default: block_dot(w, ws, wm, G, a, K, d, s, BITS, 8, y); break;         \
+                       int64_t K, const float *d, const float *s, const int32_t *xh, int bits, int rows, float *y) {
+#define ROWS_CASES(BITS)                                                         \
+    switch (rows) {                                                              \
+    case 1: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, 1, y); break;          \
+    case 2: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, 2, y); break;          \
+    case 3: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, 3, y); break;          \
+    case 4: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, 4, y); break;          \
+    case 5: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, 5, y); break;          \
+    case 6: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, 6, y); break;          \
+    case 7: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, 7, y); break;          \
+    default: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, 8, y); break;         \
     }
     if (bits == 8) ROWS_CASES(8)
+    else if (bits == 6) ROWS_CASES(6)
     else ROWS_CASES(4)
 #undef ROWS_CASES
 }
@@ -257,7 +310,7 @@ static void store_block(const struct spec_w4a8_layer *L, const float *y, int row
         }
 }
 
-/* A layer (struct spec_w4a8_layer, kernels.h): `bits` (4 or 8) weights, scales and mins as described
+/* A layer (struct spec_w4a8_layer, kernels.h): `bits` (4, 6 or 8) weights, scales and mins as described
  * above for N rows (padded to blocks of 16), bias [N] (fp32, or bf16 when bias_bf16) or NULL. Set up
  * once per layer by the caller. */
 
@@ -266,33 +319,34 @@ static _Thread_local void *scratch;
 static _Thread_local size_t scratch_bytes;
 
 /* x [M, K] (fp32, or bf16 when bf16) -> out [M, N] in x's dtype. Returns 0, -1 when out of memory,
- * -2 when K is not a multiple of 32. */
+ * -2 when K is not a multiple of 32 (of 256 for 6 bits). */
 int spec_w4a8_linear(const struct spec_w4a8_layer *L, const void *x, int bf16, int64_t M, void *out, int threads) {
     const int64_t K = L->K, N = L->N;
-    if (K % GROUP != 0) return -2;
     const int G = (int)(K / GROUP), bits = (int)L->bits;
-    const size_t need = (size_t)M * K + 2 * sizeof(float) * M * G;
+    if (K % GROUP != 0 || (bits == 6 && G % 8 != 0)) return -2;
+    const size_t need = (size_t)M * K + 2 * sizeof(float) * M * G + 2 * sizeof(int32_t) * M * G;
     if (need > scratch_bytes) {
         void *grown = realloc(scratch, need);
         if (!grown) return -1;
         scratch = grown, scratch_bytes = need;
     }
     float *dx = scratch, *sx = dx + M * G;
-    int8_t *x8 = (int8_t *)(sx + M * G);
+    int32_t *xh = (int32_t *)(sx + M * G);
+    int8_t *x8 = (int8_t *)(xh + 2 * M * G);
     const size_t item = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (M > 8)
     for (int64_t m = 0; m < M; m++)
-        quantize_row((const char *)x + m * K * item, bf16, (int)K, x8 + m * K, dx + m * G, sx + m * G);
+        quantize_row((const char *)x + m * K * item, bf16, (int)K, x8 + m * K, dx + m * G, sx + m * G, xh + 2 * m * G);
     const int64_t blocks = (N + NB - 1) / NB;
     /* A small product runs on this thread: waking the others costs more than it saves. */
 #pragma omp parallel for num_threads(threads) schedule(static) if (N * K * M >= (1 << 16))
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *w = L->weight + b * G * 64 * bits;
-        const uint16_t *ws = L->scale + b * G * NB, *wm = L->low + b * G * NB;
+        const uint16_t *ws = L->scale + b * G * NB, *wm = L->low + b * (bits == 6 ? G / 8 : G) * NB;
         float y[MR * NB];
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int rows = M - m0 < MR ? (int)(M - m0) : MR;
-            block_rows(w, ws, wm, G, x8 + m0 * K, K, dx + m0 * G, sx + m0 * G, bits, rows, y);
+            block_rows(w, ws, wm, G, x8 + m0 * K, K, dx + m0 * G, sx + m0 * G, xh + 2 * m0 * G, bits, rows, y);
             store_block(L, y, rows, b, m0, bf16, out);
         }
     }

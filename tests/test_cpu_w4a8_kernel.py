@@ -1,4 +1,4 @@
-"""The 4/8-bit x int8 CPU kernel (kernels/cpu_w4a8.c) against its float64 reference, its layouts from
+"""The 4/6/8-bit x int8 CPU kernel (kernels/cpu_w4a8.c) against its float64 reference, its layouts from
 GGUF groups, and a row's bits independent of the rows and threads beside it."""
 
 from __future__ import annotations
@@ -14,26 +14,31 @@ pytestmark = pytest.mark.skipif(cpu_w4a8.library() is None, reason="no C compile
 
 
 def weights(n: int, k: int, seed: int = 0, bits: int = 4):
+    """q, scale, min (for 6 bits, Q6_K's q, int8 scales per 16 and d per 256)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.uint8)
+    if bits == 6:
+        return q, torch.randint(-128, 128, (n, k // 16), generator=g).to(torch.int8), \
+            (torch.rand(n, k // 256, generator=g) * 1e-3).half()
     scale, low = torch.rand(n, k // 32, generator=g) * 0.01, -torch.rand(n, k // 32, generator=g) * 0.05
     # fp16 is what the kernel keeps: the reference gets the same rounded values
     return q, scale.half().float(), low.half().float()
 
 
-@pytest.mark.parametrize("n, k", [(16, 32), (40, 96), (96, 576)])     # rows padded to 16; odd group counts
+@pytest.mark.parametrize("bits, n, k", [(b, n, k) for b in (4, 8) for n, k in ((16, 32), (40, 96), (96, 576))]
+                         + [(6, 16, 256), (6, 40, 768)])       # rows padded to 16; odd group counts
 @pytest.mark.parametrize("rows", [1, 5, 8, 11])                        # one pass of 8 rows, and more
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bits", [4, 8])
 def test_kernel_matches_the_reference(n, k, rows, dtype, bits):
     q, scale, low = weights(n, k, bits=bits)
     bias = torch.randn(n)
     x = torch.randn(rows, k).to(dtype)
     packed = cpu_w4a8.pack(q, scale, low, bits)
-    assert torch.equal(cpu_w4a8.unpack(*packed, n), (q.float().view(n, -1, 32) * scale[..., None]
-                                                     + low[..., None]).view(n, k))
+    groups = gguf_quant.Groups(6, q, scale, low) if bits == 6 else None
+    assert torch.equal(cpu_w4a8.unpack(*packed, n), gguf_quant.dequantize(groups) if bits == 6 else
+                       (q.float().view(n, -1, 32) * scale[..., None] + low[..., None]).view(n, k))
     y = cpu_w4a8.linear(x, *packed, bias, n)
-    expected = cpu_w4a8.reference(x.float(), q, scale, low, bias)
+    expected = cpu_w4a8.reference(x.float(), q, scale, low, bias, bits)
     assert y.dtype == dtype and y.shape == (rows, n)
     # fp32: the activations' int8 rounding is in the reference, so only float summation order remains
     tolerance = 1e-5 if dtype == torch.float32 else 2 ** -8
@@ -52,7 +57,7 @@ def test_bf16_results_are_the_fp32_results_rounded_as_torch_rounds(bias_dtype):
     assert torch.equal(cpu_w4a8.linear(x, *packed, bias, 40), y32.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 def test_rows_and_threads_do_not_change_a_rows_bits(bits):
     q, scale, low = weights(48, 256, seed=1, bits=bits)
     packed = cpu_w4a8.pack(q, scale, low, bits)
@@ -79,7 +84,7 @@ def test_a_linear_from_gguf_groups_computes_with_them():
                                gguf.GGMLQuantizationType.Q4_1)
     q, scale, low = gguf_quant.decode(raw, "Q4_1", 64)
     scale, low = torch.from_numpy(scale), torch.from_numpy(low)
-    linear = W4A8Linear.from_groups(gguf_quant.pack(q), scale, low, None)
+    linear = W4A8Linear.from_groups(gguf_quant.Groups(4, gguf_quant.pack(q), scale, low), None)
     x = torch.randn(3, 128)
     expected = cpu_w4a8.reference(x, torch.from_numpy(q), scale, low, None)
     assert (linear(x).double() - expected).abs().max() <= 1e-5 * expected.abs().max()

@@ -49,14 +49,14 @@ def gguf_tokenizer():
     return tok
 
 
-def tiny_llama(vocab_size: int, tie: bool = False):
+def tiny_llama(vocab_size: int, tie: bool = False, hidden_size: int = 64, intermediate_size: int = 128):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     # 4 query heads on 2 KV heads, so the GGUF test exercises llama.cpp's Q/K permutation with GQA.
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=128,
-                         tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1)
+    config = LlamaConfig(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab_size,
+                         max_position_embeddings=128, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1)
     return LlamaForCausalLM(config).eval()
 
 
@@ -334,13 +334,32 @@ def write_tiny_gguf(path: Path, model, tokenizer, linear_types: dict[str, str] |
         kind = (linear_types or {}).get(base.split(".")[-1]) if suffix == "weight" else None
         if kind:
             quant = gguf.GGMLQuantizationType[kind]
-            writer.add_tensor(f"{names.get_name(base)}.{suffix}", gguf.quants.quantize(data, quant), raw_dtype=quant)
+            blocks = quantize_q6_k(data) if kind == "Q6_K" else gguf.quants.quantize(data, quant)
+            writer.add_tensor(f"{names.get_name(base)}.{suffix}", blocks, raw_dtype=quant)
         else:
             writer.add_tensor(f"{names.get_name(base)}.{suffix}", data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """float [rows, K] (K a multiple of 256) -> Q6_K blocks (which gguf-py cannot write): a scale per 16
+    weights (their largest magnitude / 31) in int8 steps of the 256's d. Simpler than llama.cpp's search;
+    the same format."""
+    rows, nb = w.shape[0], w.size // 256
+    sub = w.reshape(nb, 16, 16).astype(np.float32)
+    d = (np.abs(sub).max(-1).max(-1) / 31 / 127).astype(np.float16)
+    d32 = d.astype(np.float32)[:, None]
+    sc = np.round(np.abs(sub).max(-1) / 31 / np.where(d32 > 0, d32, 1)).clip(-128, 127).astype(np.int8)
+    step = d32 * sc
+    q = (np.round(sub / np.where(step > 0, step, 1)[..., None]).clip(-32, 31) + 32).astype(np.uint8)
+    q = q.reshape(nb, 2, 4, 32)                                   # halves of 128, quarters of 32
+    ql = np.concatenate([q[:, :, 0] & 15 | (q[:, :, 2] & 15) << 4, q[:, :, 1] & 15 | (q[:, :, 3] & 15) << 4], -1)
+    qh = q[:, :, 0] >> 4 | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
+    blocks = np.concatenate([ql.reshape(nb, 128), qh.reshape(nb, 64), sc.view(np.uint8), d.view(np.uint8).reshape(nb, 2)], 1)
+    return blocks.reshape(rows, -1)
 
 
 @pytest.fixture

@@ -20,28 +20,32 @@ GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
 
 
 def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Raw blocks of a [rows, cols] tensor: quantized from random weights, or for Q4_K (which gguf-py
-    cannot quantize) random bytes, every one a valid Q4_K block with finite fp16 scales."""
+    """Raw blocks of a [rows, cols] tensor: quantized from random weights, or for the K types (which
+    gguf-py cannot quantize) random bytes, every one a valid block with finite fp16 scales."""
     import gguf
 
     rng = np.random.default_rng(seed)
     kind_enum = gguf.GGMLQuantizationType[kind]
-    if kind != "Q4_K":
+    if kind not in ("Q4_K", "Q6_K"):
         return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), kind_enum)
-    blocks = rng.integers(0, 256, (rows * cols // 256, 144), dtype=np.uint8)
-    blocks[:, 0:4] = rng.uniform(0.001, 0.1, (len(blocks), 2)).astype(np.float16).view(np.uint8)
+    size, scales = {"Q4_K": (144, slice(0, 4)), "Q6_K": (210, slice(208, 210))}[kind]
+    blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+    blocks[:, scales] = rng.uniform(0.001, 0.1, (len(blocks), blocks[:, scales].shape[1] // 2)
+                                    ).astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
-def test_gguf_4bit_blocks_decode_bit_exactly(kind):
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_gguf_blocks_decode_bit_exactly(kind):
     import gguf
 
     raw = gguf_blocks(kind, 12, 512)
     q, scale, low = gguf_quant.decode(raw, kind, 12)
-    ours = gguf_quant.dequantize(gguf_quant.pack(q), torch.from_numpy(scale), torch.from_numpy(low))
+    bits = 6 if kind == "Q6_K" else 4
+    packed = torch.from_numpy(q) if bits == 6 else gguf_quant.pack(q)
+    ours = gguf_quant.dequantize(gguf_quant.Groups(bits, packed, torch.from_numpy(scale), torch.from_numpy(low)))
     theirs = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]))
-    assert torch.equal(ours, theirs.reshape(12, 512)) and q.max() <= 15
+    assert torch.equal(ours, theirs.reshape(12, 512)) and q.max() < 2 ** bits
 
 
 def test_int4_linear_computes_with_its_groups():
@@ -51,8 +55,8 @@ def test_int4_linear_computes_with_its_groups():
     scale, low = torch.rand(96, 8, generator=g) * 0.01, torch.randn(96, 8, generator=g) * 0.05
     bias = torch.nn.Parameter(torch.randn(96, generator=g))
     linear = Int4Linear(gguf_quant.pack(q.numpy()), scale, low, bias)
-    dq = gguf_quant.dequantize(gguf_quant.pack(q.numpy()), scale.bfloat16().float(),
-                               (low + 8 * scale).bfloat16().float() - 8 * scale.bfloat16().float())
+    dq = gguf_quant.dequantize(gguf_quant.Groups(4, gguf_quant.pack(q.numpy()), scale.bfloat16().float(),
+                                                 (low + 8 * scale).bfloat16().float() - 8 * scale.bfloat16().float()))
     x = torch.randn(5, 256, generator=g)
     expected = x.bfloat16().float() @ dq.t() + bias
     assert (linear(x) - expected).abs().max() < 1e-2 * expected.abs().max()
@@ -135,7 +139,7 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     from engine import Engine
     from engine.forward_batch import make_batch
     from engine.loader import convert_gguf, iter_weights
-    from engine.loader.gguf_convert import int4_groups
+    from engine.loader.gguf_convert import gguf_groups
 
     monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))      # the conversion stays in this test
     tokenizer = gguf_tokenizer()
@@ -145,10 +149,10 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     path = tmp_path / "tiny-llama.Q4.gguf"
     write_tiny_gguf(path, model, tokenizer, types)
     converted = convert_gguf(path)
-    groups, weights = int4_groups(converted), dict(iter_weights(converted))
+    groups, weights = gguf_groups(converted), dict(iter_weights(converted))
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
                  "model.layers.0.mlp.up_proj.weight"):
-        assert torch.equal(gguf_quant.dequantize(*groups(name)), weights[name]), name
+        assert torch.equal(gguf_quant.dequantize(groups(name)), weights[name]), name
     assert groups("model.layers.0.mlp.down_proj.weight") is None
 
     engines = {kw: Engine(model_path=str(path), max_total_tokens=2048, **dict([kw])) for kw in
@@ -184,6 +188,56 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     assert type(draft.model.layers[0].mlp.down_proj) is W4A8Linear and type(draft.quant_head) is W4A8Linear
     assert type(spec._target.model.model.layers[0].mlp.down_proj) is Int8GroupLinear
     plain = engines[("quantization", "w4a8")].generate(input_ids=[ids], sampling_params=GREEDY)
+    assert spec.generate(input_ids=[ids], sampling_params=GREEDY)[0]["output_ids"] == plain[0]["output_ids"]
+
+
+def test_gguf_q6_k_layers_and_head_are_served_as_they_are(tmp_path, monkeypatch):
+    """Q6_K layers (down_proj, v_proj beside Q4_1 q/k) and an untied Q6_K head: the converted directory
+    keeps their blocks bit-exactly; under w4a8 the target serves down_proj and the head from them
+    (Q6KLinear, the file's weights exactly), the fused q/k/v with its mixed formats as int8 groups, and
+    its logits are the float reference's within the activations' int8 rounding; a STANDALONE draft
+    from the same file rounds them to 4 bits and the output stays the target's."""
+    from engine import Engine
+    from engine.forward_batch import make_batch
+    from engine.loader import convert_gguf, iter_weights
+    from engine.loader.gguf_convert import gguf_groups
+    from engine.models.quant import Q6KLinear
+
+    if cpu_w4a8.library() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
+    tokenizer = gguf_tokenizer()
+    model = tiny_llama(len(tokenizer), hidden_size=256, intermediate_size=512)       # Q6_K: rows of 256s
+    types = {"q_proj": "Q4_1", "k_proj": "Q4_1", "v_proj": "Q6_K", "o_proj": "Q4_1", "gate_proj": "Q4_1",
+             "up_proj": "Q4_1", "down_proj": "Q6_K", "lm_head": "Q6_K"}
+    path = tmp_path / "tiny-llama.Q6_K.gguf"
+    write_tiny_gguf(path, model, tokenizer, types)
+    converted = convert_gguf(path)
+    groups, weights = gguf_groups(converted), dict(iter_weights(converted))
+    for name in ("model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.v_proj.weight", "lm_head.weight"):
+        assert groups(name).bits == 6 and torch.equal(gguf_quant.dequantize(groups(name)), weights[name]), name
+
+    target = Engine(model_path=str(path), max_total_tokens=2048, quantization="w4a8")
+    reference = Engine(model_path=str(path), max_total_tokens=2048, dtype="float32")
+    served = target._target.model
+    assert type(served.model.layers[1].mlp.down_proj) is Q6KLinear and type(served.quant_head) is Q6KLinear
+    assert type(served.model.layers[0].self_attn.qkv_proj) is Int8GroupLinear
+    assert torch.equal(served.quant_head.dequantized(), weights["lm_head.weight"])
+    assert torch.equal(served.model.layers[1].mlp.down_proj.dequantized(), weights["model.layers.1.mlp.down_proj.weight"])
+    ids = tokenizer("the quick brown fox").input_ids
+    logits = []
+    for eng in (target, reference):
+        kv, runner = eng._kv, eng._target
+        batch = make_batch(kv.table, [0], [0], ids, kv.alloc(len(ids)), [len(ids)])
+        with torch.inference_mode():
+            logits.append(runner.forward(batch, all_logits=True).logits.float())
+    assert (logits[0] - logits[1]).abs().max() < 0.05 * logits[1].abs().max()
+
+    spec = Engine(model_path=str(path), max_total_tokens=2048, quantization="w4a8", speculative_algorithm="STANDALONE",
+                  speculative_draft_model_path=str(path), speculative_draft_model_quantization="w4a8")
+    draft = spec._scheduler.worker.drafter.model
+    assert type(draft.model.layers[1].mlp.down_proj) is W4A8Linear and type(draft.quant_head) is W4A8Linear
+    plain = target.generate(input_ids=[ids], sampling_params=GREEDY)
     assert spec.generate(input_ids=[ids], sampling_params=GREEDY)[0]["output_ids"] == plain[0]["output_ids"]
 
 

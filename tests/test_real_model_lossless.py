@@ -1,7 +1,9 @@
-"""Lossless on a real model (slow: needs the fetched SmolLM2-135M GGUF): NGRAM's greedy output is plain
+"""Lossless on real models (slow: needs the fetched GGUFs): NGRAM's greedy output on SmolLM2-135M is plain
 decoding's token for token, four requests batched, over two turns (the second reusing the first's
 cached KV), in dense float32 and with the CPU's quantized weights (the default: w4a8 on a CPU with
-VNNI, else int4 with bf16 activations where the CPU has them; and int4, w8a8_int8 named). That holds only because decode steps attend through the
+VNNI, else int4 with bf16 activations where the CPU has them; and int4, w8a8_int8 named); and so is
+STANDALONE's (0.5B draft) on Qwen2.5-Coder-1.5B with the default weights, whose Q6_K layers and head
+the w4a8 kernel serves as stored. That holds only because decode steps attend through the
 batch-invariant kernel (kernels/cpu_attention.c) and the radix cache keeps the same positions in both
 modes: with bf16 or int8 activations, any last-bit difference between a verify and a decode forward
 grows into a different token (14 of 16 MT-Bench answers differed before)."""
@@ -50,3 +52,19 @@ def test_ngram_greedy_equals_plain_on_smollm2(weights):
             if algo:
                 assert eng.stats()["avg_spec_accept_length"] > 1
     assert outputs["NGRAM"] == outputs[None]
+
+
+@pytest.mark.slow
+def test_standalone_greedy_equals_plain_on_qwen():
+    target, draft = (models_dir() / name / KNOWN_MODELS[name].filename
+                     for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"))
+    if not (target.is_file() and draft.is_file()):
+        pytest.skip("Qwen2.5-Coder GGUFs not fetched (spec fetch qwen2.5-coder-0.5b qwen2.5-coder-1.5b)")
+    outputs = {}
+    for algo in (None, "STANDALONE"):
+        spec = {"speculative_algorithm": algo, "speculative_draft_model_path": str(draft)} if algo else {}
+        with Engine(model_path=str(target), max_total_tokens=8192, **spec) as eng:
+            outputs[algo] = two_turns(eng)
+            if algo:
+                assert eng.stats()["avg_spec_accept_length"] > 1
+    assert outputs["STANDALONE"] == outputs[None]

@@ -8,6 +8,7 @@ import torch
 from engine.distributed import group
 from engine.distributed.group import Group
 from engine.distributed.sharding import local_block, local_config, local_groups, local_rows
+from engine.loader.gguf_quant import Groups
 
 
 @pytest.fixture
@@ -48,10 +49,23 @@ def test_gguf_groups_are_cut_on_whole_groups(rank1_of_2):
     rows, cols = 4, 128                                   # 4 groups of 32 per row: 2 per rank
     packed = torch.arange(rows * cols // 2, dtype=torch.uint8).view(rows, cols // 2)
     scale, low = torch.rand(rows, cols // 32), torch.rand(rows, cols // 32)
-    groups = local_groups(lambda name: (packed, scale, low))
+    groups = local_groups(lambda name: Groups(4, packed, scale, low))
     got = groups("model.layers.0.mlp.down_proj.weight")                                    # row-parallel
-    assert torch.equal(got[0], packed[:, 32:]) and torch.equal(got[1], scale[:, 2:]) and torch.equal(got[2], low[:, 2:])
+    assert torch.equal(got.q, packed[:, 32:]) and torch.equal(got.scale, scale[:, 2:]) and torch.equal(got.low, low[:, 2:])
     got = groups("model.layers.0.mlp.up_proj.weight")                                      # column-parallel
-    assert torch.equal(got[0], packed[2:]) and torch.equal(got[1], scale[2:])
-    narrow = local_groups(lambda name: (packed[:, :16], scale[:, :1], low[:, :1]))        # 32 columns: 16 each
+    assert torch.equal(got.q, packed[2:]) and torch.equal(got.scale, scale[2:]) and got.bits == 4
+    narrow = local_groups(lambda name: Groups(4, packed[:, :16], scale[:, :1], low[:, :1]))  # 32 columns: 16 each
     assert narrow("model.layers.0.self_attn.o_proj.weight") is None                        # stays dense
+
+
+def test_q6_k_groups_are_cut_on_whole_super_blocks_and_the_head_by_vocabulary(rank1_of_2):
+    rows, cols = 5, 512                                   # 2 super-blocks of 256 per row: 1 per rank
+    q = torch.randint(0, 64, (rows, cols), dtype=torch.uint8)
+    scale, d = torch.randint(-128, 128, (rows, cols // 16)).to(torch.int8), torch.rand(rows, cols // 256).half()
+    groups = local_groups(lambda name: Groups(6, q, scale, d))
+    got = groups("model.layers.0.mlp.down_proj.weight")
+    assert torch.equal(got.q, q[:, 256:]) and torch.equal(got.scale, scale[:, 16:]) and torch.equal(got.low, d[:, 1:])
+    head = groups("lm_head.weight")                       # ceil(5 / 2) = 3 rows a rank: rows 3, 4 and zeros
+    assert head.bits == 6 and torch.equal(head.q[:2], q[3:]) and not head.q[2].any() and not head.scale[2].any()
+    half = local_groups(lambda name: Groups(6, q[:, :256], scale[:, :16], d[:, :1]))
+    assert half("model.layers.0.mlp.down_proj.weight") is None                              # 128 columns each

@@ -114,25 +114,37 @@ def test_quantized_weights_are_quantized_after_sharding(kind, target):
             assert [v for v, _, _ in top] == pytest.approx([v for v, _, _ in ref], abs={"int4": 0.05}.get(kind, 0.1))
 
 
-def test_gguf_4bit_groups_are_cut_by_rank(tmp_path, monkeypatch):
+@pytest.mark.parametrize("six_bits", [False, True])
+def test_gguf_groups_are_cut_by_rank(six_bits, tmp_path, monkeypatch):
     """A GGUF's own 4-bit layers, served sharded: every rank's block of them stays 4-bit (w4a8, or int4
-    without VNNI)."""
+    without VNNI); with Q6_K down projections and head, those stay Q6_K under w4a8 (the head cut by
+    vocabulary, its last block padded)."""
     from tests.test_loader import gguf_tokenizer, tiny_llama, write_tiny_gguf
 
+    if six_bits and cpu_w4a8.kernel_name() != "avx512-vnni":
+        pytest.skip("Q6_K layers are served as they are under w4a8, the default with AVX-512 VNNI")
     monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
     tokenizer = gguf_tokenizer()
     path = tmp_path / "tiny.Q4.gguf"
-    write_tiny_gguf(path, tiny_llama(len(tokenizer)), tokenizer, {
-        "q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q4_0", "o_proj": "Q4_1", "gate_proj": "Q4_1",
-        "up_proj": "Q4_1", "down_proj": "Q4_0"})
+    types = {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q4_0", "o_proj": "Q4_1", "gate_proj": "Q4_1",
+             "up_proj": "Q4_1", "down_proj": "Q4_0"}
+    sizes = {}
+    if six_bits:        # down_proj's 512 inputs: a super-block of 256 per rank
+        types.update(down_proj="Q6_K", lm_head="Q6_K")
+        sizes = dict(hidden_size=256, intermediate_size=512)
+    write_tiny_gguf(path, tiny_llama(len(tokenizer), **sizes), tokenizer, types)
     args = dict(input_ids=[5, 6, 7, 8], sampling_params={**GREEDY, "max_new_tokens": 1}, return_logprob=True,
                 top_logprobs_num=5)
     with Engine(model_path=str(path), max_total_tokens=2048) as one, \
             Engine(model_path=str(path), max_total_tokens=2048, tp_size=2) as two:
-        layer = two._target.model.model.layers[1]
-        kinds = {type(m).__name__ for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                            layer.mlp.down_proj)}
+        model = two._target.model
+        layer = model.model.layers[1]
+        kinds = {type(m).__name__ for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj)}
         assert kinds == {CLASSES["w4a8" if cpu_w4a8.kernel_name() == "avx512-vnni" else "int4"]}
+        if six_bits:
+            assert type(layer.mlp.down_proj).__name__ == type(model.quant_head).__name__ == "Q6KLinear"
+        else:
+            assert type(layer.mlp.down_proj).__name__ in kinds
         top, ref = (e.generate(**args)["meta_info"]["output_top_logprobs"][0] for e in (two, one))
     assert [v for v, _, _ in top] == pytest.approx([v for v, _, _ in ref], abs=0.05)
 

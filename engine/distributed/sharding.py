@@ -11,7 +11,7 @@ layers make, applied to the same modules for targets and drafts (EAGLE, EAGLE-3,
 - everything else (norms, EAGLE's fc, MTP's projection, EAGLE-3's d2t, rotary tables): replicated.
 
 A model is built at its local sizes from `local_config` and reads only its block of each checkpoint
-tensor as the tensors stream in (`local_weights`, `local_groups` for a GGUF's 4-bit groups), so no rank
+tensor as the tensors stream in (`local_weights`, `local_groups` for a GGUF's own groups), so no rank
 ever holds the whole model. Quantizing (int4, w8a8_int8) and prepacking happen as the blocks load, on the local blocks.
 """
 
@@ -24,6 +24,7 @@ import torch
 
 from engine.distributed import group
 from engine.errors import ConfigError
+from engine.loader.gguf_quant import Groups
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
@@ -97,29 +98,30 @@ def local_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple
         del tensor                          # not held while the next one is read
 
 
-Groups = Callable[[str], Optional[tuple]]
+Lookup = Callable[[str], Optional[Groups]]
 
 
-def local_groups(groups: Groups) -> Groups:
-    """A GGUF's 4-bit groups (engine/models/quant.py install_gguf_groups) cut to this rank's block: rows
-    for column-parallel parts, whole groups of 32 input columns for row-parallel ones (a layer whose
-    block is no whole number of groups stays dense, loaded from its float copy)."""
+def local_groups(groups: Lookup) -> Lookup:
+    """A GGUF's own groups (gguf_quant.Groups, engine/models/quant.py install_gguf_groups) cut to this
+    rank's block: rows for column-parallel parts and for the vocabulary-parallel head (padded with zero
+    rows), whole groups of input columns for row-parallel ones (of 32, or Q6_K's 256: every tensor's
+    columns follow the input's; a layer whose block is no whole number of them stays dense, loaded from
+    its float copy)."""
     g = group.building()
     if g is None:
         return groups
 
-    def local(name: str) -> Optional[tuple]:
+    def local(name: str) -> Optional[Groups]:
         found = groups(name)
         module = name.split(".")[-2]
-        if found is None or module not in COLUMN + ROW:
+        if found is None or module not in COLUMN + ROW + VOCAB:
             return found
         if module in COLUMN:
-            return tuple(_block(t, 0, g.rank, g.size) for t in found)
-        packed, scale, low = found
-        width = packed.shape[1] * 2 // g.size           # input columns per rank
-        if width % 32:
+            return Groups(found.bits, *(_block(t, 0, g.rank, g.size) for t in found[1:]))
+        if module in VOCAB:
+            return Groups(found.bits, *(local_block(name, t, g.rank, g.size) for t in found[1:]))
+        if any(t.shape[1] % g.size for t in found[1:]):
             return None
-        return (packed[:, g.rank * width // 2:(g.rank + 1) * width // 2].clone(),
-                *(t[:, g.rank * width // 32:(g.rank + 1) * width // 32].clone() for t in (scale, low)))
+        return Groups(found.bits, *(_block(t, 1, g.rank, g.size) for t in found[1:]))
 
     return local

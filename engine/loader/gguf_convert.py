@@ -1,10 +1,10 @@
 """GGUF file -> cached Hugging Face directory (config.json, model.safetensors, tokenizer files), plus
-the file's own 4-bit weights (gguf_int4/groups.safetensors).
+the file's own 4- and 6-bit weights (gguf_groups/groups.safetensors).
 
 A GGUF is dequantized once with transformers' own GGUF reader (which also renames tensors and undoes
-llama.cpp's Q/K row permutation) into an ordinary checkpoint, and its Q4_0/Q4_1/Q4_K tensors are also
-kept as they are, as groups of 32 (engine/loader/gguf_quant.py) under the same names, renamed and
-permuted the same way: the engine serves those directly on the CPU (--quantization auto), and the
+llama.cpp's Q/K row permutation) into an ordinary checkpoint, and its Q4_0/Q4_1/Q4_K and Q6_K tensors
+are also kept as they are (engine/loader/gguf_quant.py) under the same names, renamed and permuted the
+same way: the engine serves those directly on the CPU (--quantization auto), and the
 float checkpoint is the exact reference (--dtype float32). Later runs reuse the directory.
 transformers and gguf are imported inside functions: importing them takes seconds, which commands that
 never convert should not pay.
@@ -27,9 +27,9 @@ from engine.errors import ModelLoadError
 logger = logging.getLogger(__name__)
 
 # In a folder of its own, so that the checkpoint's *.safetensors stay the float weights alone.
-QUANT_FILE = "gguf_int4/groups.safetensors"
+QUANT_FILE = "gguf_groups/groups.safetensors"
 # Bumped when what a conversion writes changes: older cached directories are converted again.
-_FORMAT = 2
+_FORMAT = 3
 
 
 def converted_root() -> Path:
@@ -135,7 +135,7 @@ def _convert_into(path: Path, dtype: torch.dtype, out: Path) -> None:
             f"{' ...' if len(missing) > 5 else ''}. Pass a Hugging Face directory of the model instead.")
 
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    groups = _int4_groups(path, config, skeleton)
+    groups = _groups(path, config, skeleton)
     if groups:
         (out / QUANT_FILE).parent.mkdir()
         save_file(groups, str(out / QUANT_FILE), metadata={"format": "pt"})
@@ -145,9 +145,10 @@ def _convert_into(path: Path, dtype: torch.dtype, out: Path) -> None:
     tokenizer.save_pretrained(out)  # includes the GGUF's chat template, if it has one
 
 
-def _int4_groups(path: Path, config, skeleton) -> dict[str, torch.Tensor]:
-    """The file's 4-bit tensors as {hf name}.q4 (packed nibbles), .q4_scale and .q4_min, with the same
-    names and row permutation transformers gives their dequantized copies."""
+def _groups(path: Path, config, skeleton) -> dict[str, torch.Tensor]:
+    """The file's 4-bit tensors as {hf name}.q4 (packed nibbles), .q4_scale and .q4_min, its Q6_K ones as
+    .q6, .q6_scale and .q6_d (gguf_quant.Groups), with the same names and row permutation transformers
+    gives their dequantized copies."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
@@ -163,27 +164,30 @@ def _int4_groups(path: Path, config, skeleton) -> dict[str, torch.Tensor]:
         if not gguf_quant.decodable(kind) or tensor.name not in names:
             continue
         parts = gguf_quant.decode(tensor.data, kind, tensor.data.shape[0])
-        q, scale, low = (processor.process(weights=a, name=tensor.name).weights for a in parts)
-        hf = names[tensor.name]
-        out[f"{hf}.q4"] = gguf_quant.pack(q)
-        out[f"{hf}.q4_scale"] = torch.from_numpy(np.ascontiguousarray(scale))
-        out[f"{hf}.q4_min"] = torch.from_numpy(np.ascontiguousarray(low))
+        q, scale, low = (torch.from_numpy(np.ascontiguousarray(processor.process(weights=a, name=tensor.name).weights))
+                         for a in parts)
+        hf, tag = names[tensor.name], "q6" if kind == "Q6_K" else "q4"
+        out[f"{hf}.{tag}"] = q if kind == "Q6_K" else gguf_quant.pack(q.numpy())
+        out[f"{hf}.{tag}_scale"] = scale
+        out[f"{hf}.{tag}_min" if tag == "q4" else f"{hf}.q6_d"] = low
     return out
 
 
-def int4_groups(model_dir: Path):
-    """A lookup `hf weight name -> (packed, scale, min)` over a converted GGUF's 4-bit tensors, or
+def gguf_groups(model_dir: Path):
+    """A lookup `hf weight name -> gguf_quant.Groups` over a converted GGUF's 4- and 6-bit tensors, or
     None when the directory has none."""
     file = Path(model_dir) / QUANT_FILE
     if not file.is_file():
         return None
+    from engine.loader.gguf_quant import Groups
     from engine.loader.weights import SafetensorsFile
 
     reader = SafetensorsFile(file)
 
     def groups(name: str):
-        if f"{name}.q4" not in reader.header:
-            return None
-        return tuple(reader.get(f"{name}.{suffix}") for suffix in ("q4", "q4_scale", "q4_min"))
+        for bits, suffixes in ((4, ("q4", "q4_scale", "q4_min")), (6, ("q6", "q6_scale", "q6_d"))):
+            if f"{name}.{suffixes[0]}" in reader.header:
+                return Groups(bits, *(reader.get(f"{name}.{suffix}") for suffix in suffixes))
+        return None
 
     return groups

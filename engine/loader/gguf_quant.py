@@ -1,30 +1,46 @@
-"""GGUF's 4-bit block formats as groups of 32 weights: w = q * scale + min, q in 0..15.
+"""GGUF's quantized blocks as the engine's CPU kernels take them.
 
-Q4_0 (d; w = d * (q - 8)), Q4_1 (d, m; w = d * q + m) and Q4_K (super-blocks of 256: d, dmin and
-6-bit sub-block scales and mins; w = d * sc * q - dmin * mn) all have this form with fp32 scale and
-min per 32 weights, so `decode` is exact: `dequantize(decode(t))` equals gguf's own dequantization bit
-for bit (tests/test_quant.py). The engine serves these groups with its int4 kernels
-(engine/models/quant.py). Other types (Q6_K, Q8_0, Q5_*) are left to the dequantized checkpoint.
+4 bits, as groups of 32 weights: w = q * scale + min, q in 0..15. Q4_0 (d; w = d * (q - 8)), Q4_1 (d, m;
+w = d * q + m) and Q4_K (super-blocks of 256: d, dmin and 6-bit sub-block scales and mins;
+w = d * sc * q - dmin * mn) all have this form with fp32 scale and min per 32 weights.
+6 bits, Q6_K as it is: w = d * sc * (q - 32), q in 0..63, an int8 sc per 16 weights, an fp16 d per 256.
+`decode` is exact: `dequantize(decode(t))` equals gguf's own dequantization bit for bit
+(tests/test_quant.py). The engine serves these with its int4 kernels and its w4a8 kernel
+(engine/models/quant.py). Other types (Q8_0, Q5_*) are left to the dequantized checkpoint.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 GROUP = 32
+FOUR_BITS = ("Q4_0", "Q4_1", "Q4_K")
+
+
+class Groups(NamedTuple):
+    """A GGUF tensor's own weights, [N, K] by rows. 4 bits: q packed two to a byte [N, K / 2] (`pack`),
+    scale and min [N, K / 32]. 6 bits: q [N, K] in 0..63, int8 scales [N, K / 16] and as `low` d [N, K / 256]."""
+    bits: int
+    q: torch.Tensor
+    scale: torch.Tensor
+    low: torch.Tensor
 
 
 def decodable(type_name: str) -> bool:
-    return type_name in ("Q4_0", "Q4_1", "Q4_K")
+    return type_name in FOUR_BITS or type_name == "Q6_K"
 
 
 def decode(raw: np.ndarray, type_name: str, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A tensor's raw GGUF blocks (uint8, rows x bytes per row) -> (q [rows, K] uint8, scale and min
-    [rows, K / 32] float32)."""
-    blocks = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}[type_name]
+    [rows, K / 32] float32), or for Q6_K (q, int8 scales [rows, K / 16], fp16 d [rows, K / 256])."""
+    blocks = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}[type_name]
     b = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, blocks)
-    if type_name == "Q4_K":
+    if type_name == "Q6_K":
+        q, scale, low = _q6_k(b)
+    elif type_name == "Q4_K":
         q, scale, low = _q4_k(b)
     else:
         d = b[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
@@ -49,6 +65,17 @@ def _q4_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q, (d * sc.astype(np.float32)).reshape(-1), (-(dmin * mn.astype(np.float32))).reshape(-1)
 
 
+def _q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    # 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, fp16 d. Each half of 128 weights: its 64
+    # low-nibble bytes give weights 0-63 (low nibbles) and 64-127 (high nibbles); its 32 high-bit bytes,
+    # 2 bits for each quarter of 32.
+    nb = b.shape[0]
+    low = (b[:, :128].reshape(nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (b[:, 128:192].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = low.reshape(nb, 256) | (high.reshape(nb, 256) << 4)
+    return q, b[:, 192:208].copy().view(np.int8), b[:, 208:210].copy().view(np.float16)
+
+
 def pack(q: np.ndarray) -> torch.Tensor:
     """q [N, K] in 0..15 -> uint8 [N, K / 2]: byte j holds q[:, 2j] (low nibble) and q[:, 2j + 1]."""
     q = torch.from_numpy(np.ascontiguousarray(q)).to(torch.uint8)
@@ -61,7 +88,10 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).flatten(-2)
 
 
-def dequantize(packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """float32 weights [N, K] of packed groups: q * scale + min, as GGUF computes them."""
-    q = unpack(packed).float().view(packed.shape[0], -1, GROUP)
-    return (q * scale[:, :, None] + low[:, :, None]).view(packed.shape[0], -1)
+def dequantize(groups: Groups) -> torch.Tensor:
+    """float32 weights [N, K] of a tensor's groups, as GGUF computes them."""
+    if groups.bits == 6:
+        q, d = groups.q.float() - 32, groups.low.float().repeat_interleave(16, 1)
+        return (q.view(q.shape[0], -1, 16) * (d * groups.scale.float())[..., None]).view(q.shape)
+    q = unpack(groups.q).float().view(groups.q.shape[0], -1, GROUP)
+    return (q * groups.scale[:, :, None] + groups.low[:, :, None]).view(groups.q.shape[0], -1)

@@ -10,9 +10,11 @@
 - w4a8 (the default for GGUF files on CPUs with AVX-512 VNNI): a GGUF's own 4-bit groups (below)
   times int8 activations quantized in the same groups of 32, in our C kernel (kernels/cpu_w4a8.c:
   VNNI integer dot products, weights unpacked once for up to 8 rows, each row's result independent of
-  the others). Scale and min kept as fp16. Layers the GGUF stores above 4 bits (Q6_K, Q8_0, ...) and
-  the head become symmetric int8 groups of 32 in the same kernel (Int8GroupLinear: Q8_0 exactly);
-  the embedding is int8 rows. A float checkpoint's linears are rounded to 4-bit groups. On a Xeon
+  the others). Scale and min kept as fp16. A target's Q6_K layers and head are served as the file
+  stores them (Q6KLinear, the same kernel, 0.82 bytes a weight); other layers the GGUF stores above 4
+  bits (Q8_0, Q5_*, a Q6_K part fused beside 4-bit ones) and a float head become symmetric int8 groups
+  of 32 there (Int8GroupLinear: Q8_0 exactly); the embedding is int8 rows. A float checkpoint's
+  linears are rounded to 4-bit groups. On a Xeon
   (AVX-512 VNNI) Qwen2.5-1.5B's gate/up projection took 0.21 ms for 1 row and 0.38 ms for 8, against
   w8a8_int8's 0.41 and 0.52; a 512-token prefill ran at 201 tokens/s against w8a8_int8's 459 (oneDNN's
   AMX GEMM). 0.625 bytes per weight.
@@ -32,7 +34,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from engine.loader.gguf_quant import GROUP, unpack
+from engine.loader.gguf_quant import GROUP, Groups, unpack
 from spec_kernels import cpu_w4a8
 
 aten = torch.ops.aten
@@ -57,9 +59,8 @@ class Int4Linear(nn.Module):
         self.bias = bias
 
     @classmethod
-    def from_groups(cls, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
-                    bias: Optional[nn.Parameter]) -> "Int4Linear":
-        return cls(packed, scale, low, bias)
+    def from_groups(cls, groups: Groups, bias: Optional[nn.Parameter]) -> "Int4Linear":
+        return cls(groups.q, groups.scale.float(), groups.low.float(), bias)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "Int4Linear":
@@ -85,12 +86,10 @@ class W4A8Linear(nn.Module):
     def __init__(self, groups: Callable[[int, int], tuple], out_features: int, in_features: int,
                  bias: Optional[nn.Parameter]):
         """groups(r0, r1) -> (q, scale, min) of rows r0:r1 (q below 2**bits, scale and min per group of
-        32), packed into the kernel's layout slice by slice."""
+        32; cpu_w4a8.pack says what 6 bits take), packed into the kernel's layout slice by slice."""
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
-        blocks, G = -(-out_features // 16), in_features // GROUP
-        weight = torch.empty(blocks, G, self.bits, 64, dtype=torch.uint8)      # 4 or 8 vectors of 64 bytes
-        scale, low = (torch.empty(blocks, G, 16, dtype=torch.float16) for _ in range(2))
+        weight, scale, low = cpu_w4a8.empty(out_features, in_features, self.bits)
         for r0 in range(0, out_features, self.SLICE):
             b0, b1 = r0 // 16, -(-min(r0 + self.SLICE, out_features) // 16)
             weight[b0:b1], scale[b0:b1], low[b0:b1] = cpu_w4a8.pack(*groups(r0, r0 + self.SLICE), self.bits)
@@ -101,10 +100,10 @@ class W4A8Linear(nn.Module):
         self._layer: Optional[cpu_w4a8.Layer] = None
 
     @classmethod
-    def from_groups(cls, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
-                    bias: Optional[nn.Parameter]) -> "W4A8Linear":
-        return cls(lambda r0, r1: (unpack(packed[r0:r1]), scale[r0:r1], low[r0:r1]), packed.shape[0],
-                   packed.shape[1] * 2, bias)
+    def from_groups(cls, groups: Groups, bias: Optional[nn.Parameter]) -> "W4A8Linear":
+        """A GGUF's 4-bit groups (gguf_quant.Groups) as they are."""
+        q, scale, low = groups.q, groups.scale.float(), groups.low.float()
+        return cls(lambda r0, r1: (unpack(q[r0:r1]), scale[r0:r1], low[r0:r1]), q.shape[0], q.shape[1] * 2, bias)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "W4A8Linear":
@@ -136,6 +135,23 @@ class Int8GroupLinear(W4A8Linear):
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "Int8GroupLinear":
         return cls(lambda r0, r1: int8_groups(weight[r0:r1]), *weight.shape, bias)
+
+
+class Q6KLinear(W4A8Linear):
+    """GGUF's Q6_K weights as they are (6-bit q, an int8 scale per 16, fp16 d per 256: 0.82 bytes a weight)
+    x int8 activations in the same kernel: under w4a8, a GGUF's Q6_K layers and head. Before, they were
+    dequantized and rounded to int8 groups (1.125 bytes a weight, and not the file's weights)."""
+    bits = 6
+
+    @classmethod
+    def from_groups(cls, groups: Groups, bias: Optional[nn.Parameter]) -> "Q6KLinear":
+        q, scale, d = groups.q, groups.scale, groups.low
+        return cls(lambda r0, r1: (q[r0:r1], scale[r0:r1], d[r0:r1]), *q.shape, bias)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "Q6KLinear":
+        raise TypeError("Q6KLinear holds a GGUF's Q6_K blocks; float weights are quantized by W4A8Linear or "
+                        "Int8GroupLinear")
 
 
 def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -226,9 +242,10 @@ class W8A8Linear(nn.Module):
 
 # --quantization's formats, and int8_groups: under w4a8, the linears a GGUF stores above 4 bits.
 KINDS = {"int4": Int4Linear, "w8a8_int8": W8A8Linear, "w4a8": W4A8Linear, "int8_groups": Int8GroupLinear}
-# What the linears a GGUF stores in 4-bit groups become, per kind, and its other linears (Q6_K, ...):
-# with w4a8 they keep 8 bits rather than being rounded to 4.
+# What the linears a GGUF stores in 4-bit groups become, per kind, its Q6_K ones (a target's), and its
+# other linears (Q8_0, Q5_*, ...): with w4a8 they keep 8 bits rather than being rounded to 4.
 FROM_GROUPS = {"int4": Int4Linear, "w4a8": W4A8Linear}
+SIX_BITS = {"w4a8": Q6KLinear}
 BESIDE_GROUPS = {"int4": "int4", "w4a8": "int8_groups"}
 # The head under each kind (int4 keeps a float one); the embedding is int8 rows beside a quantized head.
 HEADS = {"w8a8_int8": W8A8Linear, "w4a8": Int8GroupLinear, "int8_groups": Int8GroupLinear}
@@ -303,7 +320,7 @@ def _vocab_sinks(model: nn.Module, head: type) -> dict[str, Callable[[torch.Tens
     sinks = {"model.embed_tokens.weight": embedding}
     if not model.tie_word_embeddings:
         del model.lm_head
-
+    if not model.tie_word_embeddings and model.quant_head is None:      # else made from a GGUF's own groups
         def untied_head(weight: torch.Tensor) -> None:
             model.quant_head = head.quantize(weight, None)
             release_freed_memory()
@@ -335,20 +352,30 @@ def release_freed_memory() -> None:
         pass
 
 
-def install_gguf_groups(model: nn.Module, groups: Callable[[str], Optional[tuple]], kind: str) -> set[str]:
-    """Replace every decoder linear whose checkpoint parts all come as GGUF 4-bit groups
-    (`groups(hf name)` -> (packed, scale, min) or None) with a `kind` layer (FROM_GROUPS) built from
-    them; returns the checkpoint names now provided (their float copies need not be loaded)."""
+def install_gguf_groups(model: nn.Module, groups: Callable[[str], Optional[Groups]], kind: str,
+                        draft: bool = False) -> set[str]:
+    """Replace every decoder linear whose checkpoint parts all come as GGUF groups of one width
+    (`groups(hf name)` -> gguf_quant.Groups or None) with a `kind` layer built from them: 4-bit groups
+    as FROM_GROUPS says, and under w4a8 a target's Q6_K ones as Q6KLinear (a `draft`'s are rounded to
+    4 bits, DRAFT_HEADS says why); likewise an untied head. Returns the checkpoint names now provided
+    (their float copies need not be loaded)."""
+    def layer_class(bits: int) -> Optional[type]:
+        return FROM_GROUPS[kind] if bits == 4 else None if draft else SIX_BITS.get(kind)
+
     provided: set[str] = set()
     for prefix, parent, attr in list(decoder_linears(model)):
         base = prefix.rsplit(".", 1)[0]
         names = [f"{base}.{p}.weight" for p in PARTS.get(attr, (attr,))]
         parts = [groups(n) for n in names]
-        if any(p is None for p in parts):
-            continue            # a part in another format (Q6_K, ...): quantized from floats (BESIDE_GROUPS)
-        linear = getattr(parent, attr)
-        packed, scale, low = (torch.cat([p[i] for p in parts]) for i in range(3))
-        setattr(parent, attr, FROM_GROUPS[kind].from_groups(packed, scale.float(), low.float(), linear.bias))
+        if any(p is None for p in parts) or len({p.bits for p in parts}) > 1 or layer_class(parts[0].bits) is None:
+            continue        # a part in another format (Q8_0, ..., Q6_K beside Q4_K): quantized from floats (BESIDE_GROUPS)
+        fused = Groups(parts[0].bits, *(torch.cat([p[i] for p in parts]) for i in range(1, 4)))
+        setattr(parent, attr, layer_class(fused.bits).from_groups(fused, getattr(parent, attr).bias))
         provided.update(names)
         release_freed_memory()
+    head = groups("lm_head.weight") if kind in HEADS and hasattr(model, "quant_head") and not model.tie_word_embeddings \
+        else None
+    if head is not None and layer_class(head.bits) is not None:
+        model.quant_head = layer_class(head.bits).from_groups(head, None)
+        provided.add("lm_head.weight")
     return provided
