@@ -1,8 +1,10 @@
 /* Linear layers with 4-, 6- or 8-bit weights and 8-bit activations on the CPU (kernels/cpu_w4a8.py builds
  * and calls it): y = x W^T (+ bias), W [N, K] in groups of 32 weights along K, w = q * scale + min with
  * q in 0..15 (GGUF's Q4_0, Q4_1 and Q4_K blocks are this form) or in 0..255 (a symmetric int8 group,
- * Q8_0's form, stored offset by 128 with min = -128 * scale), scale and min stored as fp16; or GGUF's
- * Q6_K as it is: w = d * sc * (q - 32), q in 0..63, an int8 sc per 16 weights, an fp16 d per 256.
+ * Q8_0's form, stored offset by 128 with min = -128 * scale), scale and min stored as fp16, or for
+ * GGUF's Q4_K as it stores them (k_scales): scale = d * sc, min = -(dmin * m), with a uint8 sc and m
+ * per group and fp16 d and dmin per 256 (both products exact in fp32); or GGUF's Q6_K as it is:
+ * w = d * sc * (q - 32), q in 0..63, an int8 sc per 16 weights, an fp16 d per 256.
  *
  * Each activation row is quantized to int8 in the same groups of 32 (one scale per group, symmetric,
  * as llama.cpp's Q8 blocks), so a group's dot product is an exact integer sum of q * x8, taken by
@@ -23,8 +25,9 @@
  * 4-bit: 4 chunks of 64 bytes, chunk c holding vector c in its low nibbles and vector c + 4 in its
  * high ones (256 bytes); 6-bit: those 4 chunks of the low 4 bits, then 2 chunks of the high 2 bits,
  * chunk c's bits 2t, 2t + 1 those of vector 4c + t (384 bytes: 0.82 bytes a weight, as Q6_K). Scales
- * and mins: [blocks][G][16]; for 6 bits the scales are int8 [blocks][G][2 halves][16] and the mins'
- * place holds d, [blocks][K / 256][16].
+ * and mins: fp16 [blocks][G][16] each. Q4_K: sc and m as uint8 [blocks][G][2][16] in the scales' place,
+ * and d and dmin as fp16 [blocks][K / 256][2][16] in the mins' (0.58 bytes a weight). 6 bits: int8
+ * scales [blocks][G][2 halves][16] and d [blocks][K / 256][16].
  */
 #include <math.h>
 #include <stdint.h>
@@ -131,7 +134,8 @@ static void quantize_row(const void *x, int bf16, int K, int8_t *x8, float *dx, 
  * Inlined with BITS and ROWS constant, so that the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void block_dot(
         const uint8_t *w, const uint16_t *ws, const uint16_t *wm, int G, const int8_t *x8, int64_t K,
-        const float *dx, const float *sx, const int32_t *xh, const int BITS, const int ROWS, float *out) {
+        const float *dx, const float *sx, const int32_t *xh, const int BITS, const int KQ, const int ROWS,
+        float *out) {
     const __m512i low4 = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
     __m512 acc[MR];
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
@@ -142,10 +146,10 @@ static inline __attribute__((always_inline)) void block_dot(
             _mm_prefetch((const char *)(wg + 2 * (int64_t)G * 64 * BITS + 64 * c), _MM_HINT_T0);
         if (g % 2 == 0)                     /* and its scales and mins, a line per 2 groups (8 rows from DRAM: 1.2x) */
             _mm_prefetch((const char *)(ws + (2 * (int64_t)G + g) * NB), _MM_HINT_T0);
-        if (BITS != 6 && g % 2 == 0)
+        if (BITS != 6 && !KQ && g % 2 == 0)
             _mm_prefetch((const char *)(wm + (2 * (int64_t)G + g) * NB), _MM_HINT_T0);
-        if (BITS == 6 && g % 8 == 0)
-            _mm_prefetch((const char *)(wm + (2 * (int64_t)(G / 8) + g / 8) * NB), _MM_HINT_T0);
+        if ((BITS == 6 || KQ) && g % 8 == 0)   /* d (and dmin) per 256: a line per 8 groups */
+            _mm_prefetch((const char *)(wm + (2 * (int64_t)(G / 8) + g / 8) * NB * (KQ ? 2 : 1)), _MM_HINT_T0);
         for (int c = 0; c < 4; c++) {
             const __m512i v = _mm512_loadu_si512((const void *)(wg + 64 * c));
             if (BITS == 8) {
@@ -189,8 +193,19 @@ static inline __attribute__((always_inline)) void block_dot(
             }
             continue;
         }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ws + g * 16)));
-        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + g * 16)));
+        __m512 dw, mn;
+        if (KQ) {
+            const __m256i sm = _mm256_loadu_si256((const __m256i *)(ws + g * 16));
+            const uint16_t *dd = wm + g / 8 * 32;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dd));
+            const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dd + 16)));
+            dw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(sm))), d);
+            mn = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(sm, 1))),
+                               _mm512_sub_ps(_mm512_setzero_ps(), dmin));
+        } else {
+            dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ws + g * 16)));
+            mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + g * 16)));
+        }
 #pragma GCC unroll 8
         for (int r = 0; r < ROWS; r++) s[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
@@ -214,7 +229,8 @@ static inline __attribute__((always_inline)) void block_dot(
 #define KERNEL "portable"
 static inline __attribute__((always_inline)) void block_dot(
         const uint8_t *w, const uint16_t *ws, const uint16_t *wm, int G, const int8_t *x8, int64_t K,
-        const float *dx, const float *sx, const int32_t *xh, const int BITS, const int ROWS, float *out) {
+        const float *dx, const float *sx, const int32_t *xh, const int BITS, const int KQ, const int ROWS,
+        float *out) {
     float acc[MR][NB] = {{0}};
     for (int g = 0; g < G; g++) {
         uint8_t q[8][64];
@@ -240,9 +256,12 @@ static inline __attribute__((always_inline)) void block_dot(
                         const float dh = half_to_float(wm[g / 8 * 16 + n]) * (float)((const int8_t *)(ws + g * 16))[16 * h + n];
                         acc[r][n] = fmaf((float)s[n], dh * dx[r * G + g], acc[r][n]);
                     } else {
-                        const float d = half_to_float(ws[g * 16 + n]) * dx[r * G + g];
-                        acc[r][n] = fmaf((float)s[n], d, acc[r][n]);
-                        acc[r][n] = fmaf(half_to_float(wm[g * 16 + n]), sx[r * G + g], acc[r][n]);
+                        const uint8_t *sm = (const uint8_t *)(ws + g * 16);
+                        const float scale = KQ ? half_to_float(wm[g / 8 * 32 + n]) * (float)sm[n] : half_to_float(ws[g * 16 + n]);
+                        const float low = KQ ? -half_to_float(wm[g / 8 * 32 + 16 + n]) * (float)sm[16 + n]
+                                             : half_to_float(wm[g * 16 + n]);
+                        acc[r][n] = fmaf((float)s[n], scale * dx[r * G + g], acc[r][n]);
+                        acc[r][n] = fmaf(low, sx[r * G + g], acc[r][n]);
                     }
                 }
             }
@@ -256,21 +275,23 @@ const char *spec_w4a8_kernel(void) { return KERNEL; }
 
 /* One pass of `rows` activation rows over a block, with BITS and ROWS constant in each copy. */
 static void block_rows(const uint8_t *w, const uint16_t *ws, const uint16_t *wm, int G, const int8_t *a,
-                       int64_t K, const float *d, const float *s, const int32_t *xh, int bits, int rows, float *y) {
-#define ROWS_CASES(BITS)                                                         \
-    switch (rows) {                                                              \
-    case 1: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, 1, y); break;          \
-    case 2: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, 2, y); break;          \
-    case 3: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, 3, y); break;          \
-    case 4: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, 4, y); break;          \
-    case 5: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, 5, y); break;          \
-    case 6: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, 6, y); break;          \
-    case 7: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, 7, y); break;          \
-    default: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, 8, y); break;         \
+                       int64_t K, const float *d, const float *s, const int32_t *xh, int bits, int kq, int rows,
+                       float *y) {
+#define ROWS_CASES(BITS, KQ)                                                         \
+    switch (rows) {                                                                  \
+    case 1: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, KQ, 1, y); break;          \
+    case 2: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, KQ, 2, y); break;          \
+    case 3: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, KQ, 3, y); break;          \
+    case 4: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, KQ, 4, y); break;          \
+    case 5: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, KQ, 5, y); break;          \
+    case 6: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, KQ, 6, y); break;          \
+    case 7: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, KQ, 7, y); break;          \
+    default: block_dot(w, ws, wm, G, a, K, d, s, xh, BITS, KQ, 8, y); break;         \
     }
-    if (bits == 8) ROWS_CASES(8)
-    else if (bits == 6) ROWS_CASES(6)
-    else ROWS_CASES(4)
+    if (bits == 8) ROWS_CASES(8, 0)
+    else if (bits == 6) ROWS_CASES(6, 0)
+    else if (kq) ROWS_CASES(4, 1)
+    else ROWS_CASES(4, 0)
 #undef ROWS_CASES
 }
 
@@ -310,20 +331,21 @@ static void store_block(const struct spec_w4a8_layer *L, const float *y, int row
         }
 }
 
-/* A layer (struct spec_w4a8_layer, kernels.h): `bits` (4, 6 or 8) weights, scales and mins as described
- * above for N rows (padded to blocks of 16), bias [N] (fp32, or bf16 when bias_bf16) or NULL. Set up
- * once per layer by the caller. */
+/* A layer (struct spec_w4a8_layer, kernels.h): `bits` (4, 6 or 8) weights (with k_scales, Q4_K's form),
+ * scales and mins as described above for N rows (padded to blocks of 16), bias [N] (fp32, or bf16 when
+ * bias_bf16) or NULL. Set up once per layer by the caller. */
 
 /* Per calling thread: the quantized activations, grown as needed and kept (no allocation per call). */
 static _Thread_local void *scratch;
 static _Thread_local size_t scratch_bytes;
 
 /* x [M, K] (fp32, or bf16 when bf16) -> out [M, N] in x's dtype. Returns 0, -1 when out of memory,
- * -2 when K is not a multiple of 32 (of 256 for 6 bits). */
+ * -2 when K is not a multiple of 32 (of 256 for Q4_K and 6 bits). */
 int spec_w4a8_linear(const struct spec_w4a8_layer *L, const void *x, int bf16, int64_t M, void *out, int threads) {
     const int64_t K = L->K, N = L->N;
     const int G = (int)(K / GROUP), bits = (int)L->bits;
-    if (K % GROUP != 0 || (bits == 6 && G % 8 != 0)) return -2;
+    const int kq = (int)L->k_scales;
+    if (K % GROUP != 0 || ((bits == 6 || kq) && G % 8 != 0)) return -2;
     const size_t need = (size_t)M * K + 2 * sizeof(float) * M * G + 2 * sizeof(int32_t) * M * G;
     if (need > scratch_bytes) {
         void *grown = realloc(scratch, need);
@@ -342,11 +364,11 @@ int spec_w4a8_linear(const struct spec_w4a8_layer *L, const void *x, int bf16, i
 #pragma omp parallel for num_threads(threads) schedule(static) if (N * K * M >= (1 << 16))
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *w = L->weight + b * G * 64 * bits;
-        const uint16_t *ws = L->scale + b * G * NB, *wm = L->low + b * (bits == 6 ? G / 8 : G) * NB;
+        const uint16_t *ws = L->scale + b * G * NB, *wm = L->low + b * (bits == 6 ? G / 8 : kq ? G / 4 : G) * NB;
         float y[MR * NB];
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int rows = M - m0 < MR ? (int)(M - m0) : MR;
-            block_rows(w, ws, wm, G, x8 + m0 * K, K, dx + m0 * G, sx + m0 * G, xh + 2 * m0 * G, bits, rows, y);
+            block_rows(w, ws, wm, G, x8 + m0 * K, K, dx + m0 * G, sx + m0 * G, xh + 2 * m0 * G, bits, kq, rows, y);
             store_block(L, y, rows, b, m0, bf16, out);
         }
     }

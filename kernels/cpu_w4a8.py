@@ -17,8 +17,8 @@ GROUP = 32
 class Layer(ctypes.Structure):
     """struct spec_w4a8_layer: what a call needs besides its activations, set up once per layer (`layer`)."""
     _fields_ = [("K", ctypes.c_int64), ("N", ctypes.c_int64), ("bits", ctypes.c_int64), ("bias_bf16", ctypes.c_int64),
-                ("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("low", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p)]
+                ("k_scales", ctypes.c_int64), ("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("low", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -39,21 +39,26 @@ def kernel_name() -> Optional[str]:
     return lib.spec_w4a8_kernel().decode() if lib is not None else None
 
 
-def empty(out_features: int, in_features: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def empty(out_features: int, in_features: int, bits: int, k_scales: bool = False
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Uninitialised weight, scale and min tensors of a packed layer (the shapes `pack` fills)."""
     blocks, G = -(-out_features // 16), in_features // GROUP
     weight = torch.empty(blocks, G, bits, 64, dtype=torch.uint8)
     if bits == 6:
         return weight, torch.empty(blocks, G, 32, dtype=torch.int8), torch.empty(blocks, G // 8, 16, dtype=torch.float16)
+    if k_scales:
+        return weight, torch.empty(blocks, G, 32, dtype=torch.uint8), torch.empty(blocks, G // 8, 32, dtype=torch.float16)
     return weight, torch.empty(blocks, G, 16, dtype=torch.float16), torch.empty(blocks, G, 16, dtype=torch.float16)
 
 
-def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int = 4
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [N, K] (values below 2**bits, K a multiple of 32) and float scale/min [N, K / 32] -> the
-    kernel's layout (kernels/cpu_w4a8.c): uint8 [blocks, G, bits, 64] (4, 6 or 8 vectors) and fp16 scale/min
-    [blocks, G, 16], rows padded to blocks of 16 with zeros. For 6 bits (Q6_K: K a multiple of 256) the
-    scales are int8 [N, K / 16] and `low` is d [N, K / 256]: int8 [blocks, G, 32] and fp16 [blocks, K / 256, 16]."""
+def pack(q: torch.Tensor, scale: torch.Tensor, low: Optional[torch.Tensor], bits: int = 4,
+         sup: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [N, K] (values below 2**bits, K a multiple of 32) and scale/min [N, K / 32] -> the kernel's
+    layout (kernels/cpu_w4a8.c): uint8 [blocks, G, bits, 64] (4, 6 or 8 vectors), rows padded to blocks
+    of 16 with zeros, and scales and mins: from floats, fp16 [blocks, G, 16] each; from Q4_K's uint8 sc
+    and m with `sup` its (d, dmin) [N, K / 256, 2], uint8 [blocks, G, 32] and fp16 [blocks, K / 256, 32];
+    6 bits, from Q6_K's int8 scales [N, K / 16] and `sup` d [N, K / 256, 1] (low None), int8
+    [blocks, G, 32] and fp16 [blocks, K / 256, 16]."""
     N, K = q.shape
     G, pad = K // GROUP, -N % 16
     q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad))
@@ -68,20 +73,24 @@ def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int = 4
         high = (vectors >> 4).view(vectors.shape[0], G, 2, 4, 16, 4)            # vector 4 c + t
         high = sum(high[:, :, :, t] << (2 * t) for t in range(4))
         packed = torch.cat([packed, high], 2)
+    packed = packed.reshape(packed.shape[0], G, -1, 64).contiguous()
 
-    def per_block(t: torch.Tensor, dtype=torch.float16) -> torch.Tensor:
-        t = torch.nn.functional.pad(t if dtype == torch.int8 else t.float(), (0, 0, 0, pad))
-        return t.view(-1, 16, t.shape[1]).transpose(1, 2).to(dtype).contiguous()
+    def per_block(t: torch.Tensor) -> torch.Tensor:
+        """[N, C, F] -> [blocks, C, F * 16]: per column, F vectors of a block's 16 rows."""
+        t = torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad))
+        B, C, F = t.shape[0] // 16, t.shape[1], t.shape[2]
+        return t.view(B, 16, C, F).permute(0, 2, 3, 1).reshape(B, C, F * 16).contiguous()
 
-    if bits == 6:           # [block, n, group, half] -> [block, group, half, n]
-        scales = per_block(scale, torch.int8).view(-1, G, 2, 16).reshape(-1, G, 32)
-        return packed.reshape(packed.shape[0], G, -1, 64).contiguous(), scales, per_block(low)
-    return packed.reshape(packed.shape[0], G, -1, 64).contiguous(), per_block(scale), per_block(low)
+    if bits == 6:
+        return packed, per_block(scale.to(torch.int8).view(N, G, 2)), per_block(sup.half())
+    if sup is not None:
+        return packed, per_block(torch.stack([scale, low], -1).to(torch.uint8)), per_block(sup.half())
+    return packed, per_block(scale.float().half()[..., None]), per_block(low.float().half()[..., None])
 
 
 def unpack(weight: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The float weights [N, K] the packed layout holds (q * scale + min, or for 6 bits
-    d * scale * (q - 32), as the kernel computes them)."""
+    """The float weights [N, K] the packed layout holds (q * scale + min; Q4_K's scale = d * sc and
+    min = -(dmin * m); 6 bits' d * scale * (q - 32)), as the kernel computes them."""
     B, G, bits = weight.shape[:3]
     v = weight.view(B, G, -1, 16, 4)
     if bits != 8:                                                       # split the nibbles
@@ -90,12 +99,19 @@ def unpack(weight: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, out_fea
         high = weight.view(B, G, -1, 16, 4)[:, :, 4:]
         v = v | torch.cat([((high[:, :, c:c + 1] >> (2 * t)) & 3) << 4 for c in range(2) for t in range(4)], 2)
     q = v.permute(0, 3, 1, 2, 4).reshape(B * 16, G, GROUP).float()
+
+    def per_row(t: torch.Tensor, F: int) -> torch.Tensor:      # per_block's inverse: [B * 16, C, F]
+        return t.view(B, t.shape[1], F, 16).permute(0, 3, 1, 2).reshape(B * 16, t.shape[1], F).float()
+
     if bits == 6:
-        sc = scale.view(B, G, 2, 16).permute(0, 3, 1, 2).reshape(B * 16, G, 2, 1).float()
-        d = low.float().transpose(1, 2).reshape(B * 16, -1).repeat_interleave(8, 1).view(B * 16, G, 1, 1)
-        return ((q - 32).view(B * 16, G, 2, 16) * (d * sc)).view(B * 16, -1)[:out_features]
-    per_row = (lambda t: t.transpose(1, 2).reshape(B * 16, G, 1).float())
-    return (q * per_row(scale) + per_row(low)).view(B * 16, -1)[:out_features]
+        step = per_row(scale, 2) * per_row(low, 1).repeat_interleave(8, 1)
+        return ((q - 32).view(B * 16, G, 2, 16) * step[..., None]).view(B * 16, -1)[:out_features]
+    if scale.dtype == torch.uint8:                                      # Q4_K's
+        sm, d = per_row(scale, 2), per_row(low, 2).repeat_interleave(8, 1)
+        step, bottom = d[..., :1] * sm[..., :1], -(d[..., 1:] * sm[..., 1:])
+    else:
+        step, bottom = per_row(scale, 1), per_row(low, 1)
+    return (q * step + bottom).view(B * 16, -1)[:out_features]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
@@ -112,9 +128,9 @@ def layer(weight: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: Op
     """The C struct of a packed layer: it points into the tensors, which must outlive it unchanged."""
     if bias is not None:
         assert bias.dtype in (torch.float32, torch.bfloat16) and bias.is_contiguous()
-    return Layer(weight.shape[1] * GROUP, out_features, weight.shape[2],
-                 bias is not None and bias.dtype == torch.bfloat16, weight.data_ptr(), scale.data_ptr(),
-                 low.data_ptr(), bias.data_ptr() if bias is not None else None)
+    return Layer(weight.shape[1] * GROUP, out_features, weight.shape[2], bias is not None and bias.dtype == torch.bfloat16,
+                 scale.dtype == torch.uint8, weight.data_ptr(), scale.data_ptr(), low.data_ptr(),
+                 bias.data_ptr() if bias is not None else None)
 
 
 def call(layer: Layer, x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +146,7 @@ def call(layer: Layer, x: torch.Tensor) -> torch.Tensor:
     rc = lib.spec_w4a8_linear(ctypes.byref(layer), rows.data_ptr(), x.dtype == torch.bfloat16, rows.shape[0],
                               out.data_ptr(), torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError("w4a8_linear: out of memory" if rc == -1 else "w4a8_linear: K is not a multiple of 32 (of 256 for 6 bits)")
+        raise RuntimeError("w4a8_linear: out of memory" if rc == -1 else "w4a8_linear: K is not a multiple of 32 (of 256 for Q4_K and 6 bits)")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], layer.N)
 
 
@@ -156,18 +172,12 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(x.shape).to(torch.int8), amax / 127.0
 
 
-def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
-              bias: Optional[torch.Tensor], bits: int = 4) -> torch.Tensor:
-    """The same product in float64 from q [N, K] and float scale/min (for 6 bits, int8 scales per 16 and
-    d per 256) (tests): the activations rounded to int8 groups as the kernel does, everything after that exact."""
-    x8, dx = quantize_activations(x.reshape(-1, q.shape[1]))
+def reference(x: torch.Tensor, weights: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The product with float weights [N, K] (those a packed layer holds) in float64 (tests): the
+    activations rounded to int8 groups as the kernel does, everything after that exact."""
+    x8, dx = quantize_activations(x.reshape(-1, weights.shape[1]))
     xs = (x8.double().view(x8.shape[0], -1, GROUP) * dx.double()[..., None]).view(x8.shape)
-    if bits == 6:
-        step = scale.double() * low.double().repeat_interleave(16, 1)
-        w = ((q.double() - 32).view(q.shape[0], -1, 16) * step[..., None]).view(q.shape)
-    else:
-        w = (q.double().view(q.shape[0], -1, GROUP) * scale.double()[..., None] + low.double()[..., None]).view(q.shape)
-    y = xs @ w.t()
+    y = xs @ weights.double().t()
     if bias is not None:
         y = y + bias.double()
-    return y.view(*x.shape[:-1], q.shape[0])
+    return y.view(*x.shape[:-1], weights.shape[0])

@@ -5,7 +5,7 @@
 
 /* A w4a8 layer (cpu_w4a8.c describes the layout). */
 struct spec_w4a8_layer {
-    int64_t K, N, bits, bias_bf16;
+    int64_t K, N, bits, bias_bf16, k_scales;
     const uint8_t *weight;
     const uint16_t *scale, *low;
     const void *bias;

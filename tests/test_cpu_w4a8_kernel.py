@@ -7,38 +7,47 @@ import pytest
 import torch
 
 from engine.loader import gguf_quant
-from engine.models.quant import Int8GroupLinear, W4A8Linear
+from engine.models.quant import Int8GroupLinear, Q6KLinear, W4A8Linear
 from spec_kernels import cpu_w4a8
 
 pytestmark = pytest.mark.skipif(cpu_w4a8.library() is None, reason="no C compiler")
 
 
-def weights(n: int, k: int, seed: int = 0, bits: int = 4):
-    """q, scale, min (for 6 bits, Q6_K's q, int8 scales per 16 and d per 256)."""
+def layer(n: int, k: int, seed: int = 0, form: str = "4"):
+    """(q, scale, min, per-256 scales, the float weights they make) of a random layer in a form the kernel
+    takes: "4" or "8" bits from floats (fp16 scale and min), Q4_K's own scales, Q6_K's."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.uint8)
-    if bits == 6:
-        return q, torch.randint(-128, 128, (n, k // 16), generator=g).to(torch.int8), \
-            (torch.rand(n, k // 256, generator=g) * 1e-3).half()
-    scale, low = torch.rand(n, k // 32, generator=g) * 0.01, -torch.rand(n, k // 32, generator=g) * 0.05
+    q = torch.randint(0, 64 if form == "Q6_K" else 256 if form == "8" else 16, (n, k), generator=g, dtype=torch.uint8)
+    if form == "Q6_K":
+        scale, low = torch.randint(-128, 128, (n, k // 16), generator=g).to(torch.int8), None
+        sup = (torch.rand(n, k // 256, 1, generator=g) * 1e-3).half()
+        return q, scale, low, sup, gguf_quant.dequantize(gguf_quant.Groups(6, q, scale, low, sup))
+    if form == "Q4_K":
+        scale, low = (torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8) for _ in range(2))
+        sup = (torch.rand(n, k // 256, 2, generator=g) * 1e-3).half()
+        return q, scale, low, sup, gguf_quant.dequantize(gguf_quant.Groups(4, gguf_quant.pack(q.numpy()), scale, low, sup))
     # fp16 is what the kernel keeps: the reference gets the same rounded values
-    return q, scale.half().float(), low.half().float()
+    scale, low = (torch.rand(n, k // 32, generator=g) * 0.01).half().float(), (-torch.rand(n, k // 32, generator=g) * 0.05).half().float()
+    return q, scale, low, None, (q.float().view(n, -1, 32) * scale[..., None] + low[..., None]).view(n, k)
 
 
-@pytest.mark.parametrize("bits, n, k", [(b, n, k) for b in (4, 8) for n, k in ((16, 32), (40, 96), (96, 576))]
-                         + [(6, 16, 256), (6, 40, 768)])       # rows padded to 16; odd group counts
+def packed(q, scale, low, sup, form: str = "4"):
+    return cpu_w4a8.pack(q, scale, low, {"8": 8, "Q6_K": 6}.get(form, 4), sup)
+
+
+@pytest.mark.parametrize("form, n, k", [(f, n, k) for f in ("4", "8") for n, k in ((16, 32), (40, 96), (96, 576))]
+                         + [(f, n, k) for f in ("Q4_K", "Q6_K") for n, k in ((16, 256), (40, 768))])
 @pytest.mark.parametrize("rows", [1, 5, 8, 11])                        # one pass of 8 rows, and more
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_the_reference(n, k, rows, dtype, bits):
-    q, scale, low = weights(n, k, bits=bits)
+def test_kernel_matches_the_reference(n, k, rows, dtype, form):
+    """Rows padded to blocks of 16; odd group counts; the weights the layout holds are the given ones."""
+    *parts, w = layer(n, k, form=form)
     bias = torch.randn(n)
     x = torch.randn(rows, k).to(dtype)
-    packed = cpu_w4a8.pack(q, scale, low, bits)
-    groups = gguf_quant.Groups(6, q, scale, low) if bits == 6 else None
-    assert torch.equal(cpu_w4a8.unpack(*packed, n), gguf_quant.dequantize(groups) if bits == 6 else
-                       (q.float().view(n, -1, 32) * scale[..., None] + low[..., None]).view(n, k))
-    y = cpu_w4a8.linear(x, *packed, bias, n)
-    expected = cpu_w4a8.reference(x.float(), q, scale, low, bias, bits)
+    weights = packed(*parts, form)
+    assert torch.equal(cpu_w4a8.unpack(*weights, n), w)
+    y = cpu_w4a8.linear(x, *weights, bias, n)
+    expected = cpu_w4a8.reference(x.float(), w, bias)
     assert y.dtype == dtype and y.shape == (rows, n)
     # fp32: the activations' int8 rounding is in the reference, so only float summation order remains
     tolerance = 1e-5 if dtype == torch.float32 else 2 ** -8
@@ -49,44 +58,46 @@ def test_kernel_matches_the_reference(n, k, rows, dtype, bits):
 def test_bf16_results_are_the_fp32_results_rounded_as_torch_rounds(bias_dtype):
     """The same activations in bf16 and in fp32 give the same sums; the bf16 result (full blocks of 16
     rows stored by vectors, the last block of 40 by scalar code) must be the fp32 one rounded by torch."""
-    q, scale, low = weights(40, 96, seed=2)
-    packed = cpu_w4a8.pack(q, scale, low)
+    weights = packed(*layer(40, 96, seed=2)[:4])
     bias = None if bias_dtype is None else (torch.randn(40) * 1e3).to(bias_dtype)
     x = (torch.randn(11, 96) * torch.logspace(-30, 30, 11)[:, None]).to(torch.bfloat16)   # tiny to huge
-    y32 = cpu_w4a8.linear(x.float(), *packed, bias, 40)
-    assert torch.equal(cpu_w4a8.linear(x, *packed, bias, 40), y32.to(torch.bfloat16))
+    y32 = cpu_w4a8.linear(x.float(), *weights, bias, 40)
+    assert torch.equal(cpu_w4a8.linear(x, *weights, bias, 40), y32.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("bits", [4, 6, 8])
-def test_rows_and_threads_do_not_change_a_rows_bits(bits):
-    q, scale, low = weights(48, 256, seed=1, bits=bits)
-    packed = cpu_w4a8.pack(q, scale, low, bits)
+@pytest.mark.parametrize("form", ["4", "8", "Q4_K", "Q6_K"])
+def test_rows_and_threads_do_not_change_a_rows_bits(form):
+    weights = packed(*layer(48, 256, seed=1, form=form)[:4], form)
     x = torch.randn(19, 256)
-    together = cpu_w4a8.linear(x, *packed, None, 48)
-    alone = torch.cat([cpu_w4a8.linear(x[i:i + 1], *packed, None, 48) for i in range(19)])
+    together = cpu_w4a8.linear(x, *weights, None, 48)
+    alone = torch.cat([cpu_w4a8.linear(x[i:i + 1], *weights, None, 48) for i in range(19)])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one_thread = cpu_w4a8.linear(x, *packed, None, 48)
+        one_thread = cpu_w4a8.linear(x, *weights, None, 48)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(together, alone) and torch.equal(together, one_thread)
-    assert cpu_w4a8.linear(x[:0], *packed, None, 48).shape == (0, 48)
+    assert cpu_w4a8.linear(x[:0], *weights, None, 48).shape == (0, 48)
 
 
-def test_a_linear_from_gguf_groups_computes_with_them():
-    """Q4_1 blocks as a GGUF stores them -> W4A8Linear: its product is the dequantized weights' with
-    the activations rounded to int8 groups (fp16 scales are exact for Q4_1)."""
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q6_K"])
+def test_a_linear_from_gguf_groups_holds_the_files_weights(kind, monkeypatch):
+    """Blocks as a GGUF stores them -> W4A8Linear (Q6KLinear), packed in slices of 16 rows: it holds the
+    weights gguf dequantizes, bit for bit, and its product is theirs with the activations rounded to
+    int8 groups."""
     import gguf
-    import numpy as np
 
-    raw = gguf.quants.quantize(np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32),
-                               gguf.GGMLQuantizationType.Q4_1)
-    q, scale, low = gguf_quant.decode(raw, "Q4_1", 64)
-    scale, low = torch.from_numpy(scale), torch.from_numpy(low)
-    linear = W4A8Linear.from_groups(gguf_quant.Groups(4, gguf_quant.pack(q), scale, low), None)
-    x = torch.randn(3, 128)
-    expected = cpu_w4a8.reference(x, torch.from_numpy(q), scale, low, None)
+    from tests.test_quant import gguf_blocks
+
+    raw = gguf_blocks(kind, 40, 512)
+    cls = Q6KLinear if kind == "Q6_K" else W4A8Linear
+    monkeypatch.setattr(cls, "SLICE", 16)
+    linear = cls.from_groups(gguf_quant.decode(raw, kind, 40), None)
+    weights = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])).reshape(40, 512)
+    assert torch.equal(linear.dequantized(), weights)
+    x = torch.randn(3, 512)
+    expected = cpu_w4a8.reference(x, weights, None)
     assert (linear(x).double() - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 

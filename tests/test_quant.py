@@ -40,12 +40,10 @@ def test_gguf_blocks_decode_bit_exactly(kind):
     import gguf
 
     raw = gguf_blocks(kind, 12, 512)
-    q, scale, low = gguf_quant.decode(raw, kind, 12)
-    bits = 6 if kind == "Q6_K" else 4
-    packed = torch.from_numpy(q) if bits == 6 else gguf_quant.pack(q)
-    ours = gguf_quant.dequantize(gguf_quant.Groups(bits, packed, torch.from_numpy(scale), torch.from_numpy(low)))
+    groups = gguf_quant.decode(raw, kind, 12)
     theirs = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]))
-    assert torch.equal(ours, theirs.reshape(12, 512)) and q.max() < 2 ** bits
+    assert torch.equal(gguf_quant.dequantize(groups), theirs.reshape(12, 512))
+    assert groups.bits == (6 if kind == "Q6_K" else 4) and (groups.super is None) == (kind in ("Q4_0", "Q4_1"))
 
 
 def test_int4_linear_computes_with_its_groups():
@@ -191,12 +189,13 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     assert spec.generate(input_ids=[ids], sampling_params=GREEDY)[0]["output_ids"] == plain[0]["output_ids"]
 
 
-def test_gguf_q6_k_layers_and_head_are_served_as_they_are(tmp_path, monkeypatch):
-    """Q6_K layers (down_proj, v_proj beside Q4_1 q/k) and an untied Q6_K head: the converted directory
-    keeps their blocks bit-exactly; under w4a8 the target serves down_proj and the head from them
-    (Q6KLinear, the file's weights exactly), the fused q/k/v with its mixed formats as int8 groups, and
-    its logits are the float reference's within the activations' int8 rounding; a STANDALONE draft
-    from the same file rounds them to 4 bits and the output stays the target's."""
+def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tmp_path, monkeypatch):
+    """Q4_K layers (gate/up), Q6_K ones (down_proj, v_proj beside Q4_K q/k) and an untied Q6_K head: the
+    converted directory keeps their blocks bit-exactly; under w4a8 the target serves gate/up, down_proj
+    and the head from them (W4A8Linear with Q4_K's own scales, Q6KLinear: the file's weights exactly),
+    the fused q/k/v with its mixed formats as int8 groups, and its logits are the float reference's
+    within the activations' int8 rounding; a STANDALONE draft from the same file rounds the Q6_K ones to
+    4 bits and the output stays the target's."""
     from engine import Engine
     from engine.forward_batch import make_batch
     from engine.loader import convert_gguf, iter_weights
@@ -208,14 +207,15 @@ def test_gguf_q6_k_layers_and_head_are_served_as_they_are(tmp_path, monkeypatch)
     monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
     tokenizer = gguf_tokenizer()
     model = tiny_llama(len(tokenizer), hidden_size=256, intermediate_size=512)       # Q6_K: rows of 256s
-    types = {"q_proj": "Q4_1", "k_proj": "Q4_1", "v_proj": "Q6_K", "o_proj": "Q4_1", "gate_proj": "Q4_1",
-             "up_proj": "Q4_1", "down_proj": "Q6_K", "lm_head": "Q6_K"}
+    types = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q4_1", "gate_proj": "Q4_K",
+             "up_proj": "Q4_K", "down_proj": "Q6_K", "lm_head": "Q6_K"}
     path = tmp_path / "tiny-llama.Q6_K.gguf"
     write_tiny_gguf(path, model, tokenizer, types)
     converted = convert_gguf(path)
     groups, weights = gguf_groups(converted), dict(iter_weights(converted))
-    for name in ("model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.v_proj.weight", "lm_head.weight"):
-        assert groups(name).bits == 6 and torch.equal(gguf_quant.dequantize(groups(name)), weights[name]), name
+    for name in ("model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.v_proj.weight", "lm_head.weight",
+                 "model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight"):
+        assert torch.equal(gguf_quant.dequantize(groups(name)), weights[name]), name
 
     target = Engine(model_path=str(path), max_total_tokens=2048, quantization="w4a8")
     reference = Engine(model_path=str(path), max_total_tokens=2048, dtype="float32")
@@ -223,7 +223,10 @@ def test_gguf_q6_k_layers_and_head_are_served_as_they_are(tmp_path, monkeypatch)
     assert type(served.model.layers[1].mlp.down_proj) is Q6KLinear and type(served.quant_head) is Q6KLinear
     assert type(served.model.layers[0].self_attn.qkv_proj) is Int8GroupLinear
     assert torch.equal(served.quant_head.dequantized(), weights["lm_head.weight"])
-    assert torch.equal(served.model.layers[1].mlp.down_proj.dequantized(), weights["model.layers.1.mlp.down_proj.weight"])
+    layer = served.model.layers[1].mlp
+    assert torch.equal(layer.down_proj.dequantized(), weights["model.layers.1.mlp.down_proj.weight"])
+    assert type(layer.gate_up_proj) is W4A8Linear and torch.equal(layer.gate_up_proj.dequantized(), torch.cat(
+        [weights[f"model.layers.1.mlp.{p}_proj.weight"] for p in ("gate", "up")]))
     ids = tokenizer("the quick brown fox").input_ids
     logits = []
     for eng in (target, reference):

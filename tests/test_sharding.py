@@ -58,14 +58,15 @@ def test_gguf_groups_are_cut_on_whole_groups(rank1_of_2):
     assert narrow("model.layers.0.self_attn.o_proj.weight") is None                        # stays dense
 
 
-def test_q6_k_groups_are_cut_on_whole_super_blocks_and_the_head_by_vocabulary(rank1_of_2):
+def test_k_quant_groups_are_cut_on_whole_super_blocks_and_the_head_by_vocabulary(rank1_of_2):
     rows, cols = 5, 512                                   # 2 super-blocks of 256 per row: 1 per rank
     q = torch.randint(0, 64, (rows, cols), dtype=torch.uint8)
-    scale, d = torch.randint(-128, 128, (rows, cols // 16)).to(torch.int8), torch.rand(rows, cols // 256).half()
-    groups = local_groups(lambda name: Groups(6, q, scale, d))
+    scale, d = torch.randint(-128, 128, (rows, cols // 16)).to(torch.int8), torch.rand(rows, cols // 256, 1).half()
+    groups = local_groups(lambda name: Groups(6, q, scale, None, d))
     got = groups("model.layers.0.mlp.down_proj.weight")
-    assert torch.equal(got.q, q[:, 256:]) and torch.equal(got.scale, scale[:, 16:]) and torch.equal(got.low, d[:, 1:])
+    assert torch.equal(got.q, q[:, 256:]) and torch.equal(got.scale, scale[:, 16:]) and torch.equal(got.super, d[:, 1:])
+    assert got.low is None
     head = groups("lm_head.weight")                       # ceil(5 / 2) = 3 rows a rank: rows 3, 4 and zeros
     assert head.bits == 6 and torch.equal(head.q[:2], q[3:]) and not head.q[2].any() and not head.scale[2].any()
-    half = local_groups(lambda name: Groups(6, q[:, :256], scale[:, :16], d[:, :1]))
+    half = local_groups(lambda name: Groups(6, q[:, :256], scale[:, :16], None, d[:, :1]))
     assert half("model.layers.0.mlp.down_proj.weight") is None                              # 128 columns each

@@ -117,11 +117,11 @@ def local_groups(groups: Lookup) -> Lookup:
         if found is None or module not in COLUMN + ROW + VOCAB:
             return found
         if module in COLUMN:
-            return Groups(found.bits, *(_block(t, 0, g.rank, g.size) for t in found[1:]))
+            return found.map(lambda t: _block(t, 0, g.rank, g.size))
         if module in VOCAB:
-            return Groups(found.bits, *(local_block(name, t, g.rank, g.size) for t in found[1:]))
-        if any(t.shape[1] % g.size for t in found[1:]):
+            return found.map(lambda t: local_block(name, t, g.rank, g.size))
+        if any(t.shape[1] % g.size for t in found[1:] if t is not None):
             return None
-        return Groups(found.bits, *(_block(t, 1, g.rank, g.size) for t in found[1:]))
+        return found.map(lambda t: _block(t, 1, g.rank, g.size))
 
     return local

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 # In a folder of its own, so that the checkpoint's *.safetensors stay the float weights alone.
 QUANT_FILE = "gguf_groups/groups.safetensors"
 # Bumped when what a conversion writes changes: older cached directories are converted again.
-_FORMAT = 3
+_FORMAT = 4
 
 
 def converted_root() -> Path:
@@ -146,9 +146,9 @@ def _convert_into(path: Path, dtype: torch.dtype, out: Path) -> None:
 
 
 def _groups(path: Path, config, skeleton) -> dict[str, torch.Tensor]:
-    """The file's 4-bit tensors as {hf name}.q4 (packed nibbles), .q4_scale and .q4_min, its Q6_K ones as
-    .q6, .q6_scale and .q6_d (gguf_quant.Groups), with the same names and row permutation transformers
-    gives their dequantized copies."""
+    """The file's 4-bit and Q6_K tensors (gguf_quant.Groups) as {hf name}.q4 (packed nibbles) or .q6,
+    and .{q4,q6}_scale, _min and _super where they have them, with the same names and row permutation
+    transformers gives their dequantized copies."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
@@ -163,18 +163,17 @@ def _groups(path: Path, config, skeleton) -> dict[str, torch.Tensor]:
         kind = tensor.tensor_type.name
         if not gguf_quant.decodable(kind) or tensor.name not in names:
             continue
-        parts = gguf_quant.decode(tensor.data, kind, tensor.data.shape[0])
-        q, scale, low = (torch.from_numpy(np.ascontiguousarray(processor.process(weights=a, name=tensor.name).weights))
-                         for a in parts)
-        hf, tag = names[tensor.name], "q6" if kind == "Q6_K" else "q4"
-        out[f"{hf}.{tag}"] = q if kind == "Q6_K" else gguf_quant.pack(q.numpy())
-        out[f"{hf}.{tag}_scale"] = scale
-        out[f"{hf}.{tag}_min" if tag == "q4" else f"{hf}.q6_d"] = low
+        groups = gguf_quant.decode(tensor.data, kind, tensor.data.shape[0]).map(
+            lambda t: torch.from_numpy(np.ascontiguousarray(processor.process(weights=t.numpy(), name=tensor.name).weights)))
+        hf, tag = names[tensor.name], f"q{groups.bits}"
+        for suffix, t in zip(("", "_scale", "_min", "_super"), groups[1:]):
+            if t is not None:
+                out[f"{hf}.{tag}{suffix}"] = t
     return out
 
 
 def gguf_groups(model_dir: Path):
-    """A lookup `hf weight name -> gguf_quant.Groups` over a converted GGUF's 4- and 6-bit tensors, or
+    """A lookup `hf weight name -> gguf_quant.Groups` over a converted GGUF's 4-bit and Q6_K tensors, or
     None when the directory has none."""
     file = Path(model_dir) / QUANT_FILE
     if not file.is_file():
@@ -185,9 +184,10 @@ def gguf_groups(model_dir: Path):
     reader = SafetensorsFile(file)
 
     def groups(name: str):
-        for bits, suffixes in ((4, ("q4", "q4_scale", "q4_min")), (6, ("q6", "q6_scale", "q6_d"))):
-            if f"{name}.{suffixes[0]}" in reader.header:
-                return Groups(bits, *(reader.get(f"{name}.{suffix}") for suffix in suffixes))
+        for bits in (4, 6):
+            if f"{name}.q{bits}" in reader.header:
+                return Groups(bits, *(reader.get(f"{name}.q{bits}{suffix}") if f"{name}.q{bits}{suffix}" in reader.header
+                                      else None for suffix in ("", "_scale", "_min", "_super")))
         return None
 
     return groups

@@ -1,17 +1,18 @@
-"""GGUF's quantized blocks as the engine's CPU kernels take them.
+"""GGUF's quantized blocks as the engine's CPU kernels take them (`Groups`).
 
-4 bits, as groups of 32 weights: w = q * scale + min, q in 0..15. Q4_0 (d; w = d * (q - 8)), Q4_1 (d, m;
-w = d * q + m) and Q4_K (super-blocks of 256: d, dmin and 6-bit sub-block scales and mins;
-w = d * sc * q - dmin * mn) all have this form with fp32 scale and min per 32 weights.
+4 bits, as groups of 32 weights: w = q * scale + min, q in 0..15. Q4_0 (d; w = d * (q - 8)) and Q4_1
+(d, m; w = d * q + m) have this form with fp32 scale and min per 32 weights. Q4_K keeps its own:
+super-blocks of 256 with fp16 d and dmin, and per 32 a 6-bit scale sc and min m: w = d * sc * q - dmin * m
+(`scale_min` gives the fp32 scale and min per 32 that is, exactly).
 6 bits, Q6_K as it is: w = d * sc * (q - 32), q in 0..63, an int8 sc per 16 weights, an fp16 d per 256.
-`decode` is exact: `dequantize(decode(t))` equals gguf's own dequantization bit for bit
-(tests/test_quant.py). The engine serves these with its int4 kernels and its w4a8 kernel
-(engine/models/quant.py). Other types (Q8_0, Q5_*) are left to the dequantized checkpoint.
+`dequantize` of what `decode` gives equals gguf's own dequantization bit for bit (tests/test_quant.py).
+The engine serves these with its int4 kernels and its w4a8 kernel (engine/models/quant.py). Other
+types (Q8_0, Q5_*) are left to the dequantized checkpoint.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -22,50 +23,63 @@ FOUR_BITS = ("Q4_0", "Q4_1", "Q4_K")
 
 class Groups(NamedTuple):
     """A GGUF tensor's own weights, [N, K] by rows. 4 bits: q packed two to a byte [N, K / 2] (`pack`),
-    scale and min [N, K / 32]. 6 bits: q [N, K] in 0..63, int8 scales [N, K / 16] and as `low` d [N, K / 256]."""
+    scale and min [N, K / 32]: fp32, or Q4_K's uint8 sc and m with `super` its fp16 (d, dmin)
+    [N, K / 256, 2]. 6 bits: q [N, K] in 0..63, int8 scales [N, K / 16], `super` d [N, K / 256, 1]."""
     bits: int
     q: torch.Tensor
     scale: torch.Tensor
-    low: torch.Tensor
+    low: Optional[torch.Tensor]
+    super: Optional[torch.Tensor] = None
+
+    def scale_min(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """4 bits: fp32 scale and min [N, K / 32], exact (fp16 d times a 6-bit sc fits fp32)."""
+        if self.super is None:
+            return self.scale.float(), self.low.float()
+        d, dmin = (self.super[..., i].float().repeat_interleave(8, 1) for i in range(2))
+        return d * self.scale.float(), -(dmin * self.low.float())
+
+    def map(self, fn) -> "Groups":
+        """The same groups with fn applied to each tensor (all of them have N rows)."""
+        return Groups(self.bits, *(None if t is None else fn(t) for t in self[1:]))
 
 
 def decodable(type_name: str) -> bool:
     return type_name in FOUR_BITS or type_name == "Q6_K"
 
 
-def decode(raw: np.ndarray, type_name: str, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A tensor's raw GGUF blocks (uint8, rows x bytes per row) -> (q [rows, K] uint8, scale and min
-    [rows, K / 32] float32), or for Q6_K (q, int8 scales [rows, K / 16], fp16 d [rows, K / 256])."""
+def decode(raw: np.ndarray, type_name: str, rows: int) -> Groups:
+    """A tensor's raw GGUF blocks (uint8, rows x bytes per row) -> its Groups."""
     blocks = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}[type_name]
     b = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, blocks)
     if type_name == "Q6_K":
-        q, scale, low = _q6_k(b)
+        q, scale, low, sup = _q6_k(b)
     elif type_name == "Q4_K":
-        q, scale, low = _q4_k(b)
+        q, scale, low, sup = _q4_k(b)
     else:
         d = b[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
         nibbles = b[:, 2:] if type_name == "Q4_0" else b[:, 4:]
         q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1)            # [blocks, 32]
-        scale = d
+        scale, sup = d, None
         low = (-8.0 * d).astype(np.float32) if type_name == "Q4_0" else \
             b[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
-    return q.reshape(rows, -1), scale.reshape(rows, -1), low.reshape(rows, -1)
+    q = q.reshape(rows, -1)
+    return Groups(6 if type_name == "Q6_K" else 4, torch.from_numpy(q) if type_name == "Q6_K" else pack(q),
+                  *(None if t is None else torch.from_numpy(np.ascontiguousarray(t)).reshape(rows, -1, *t.shape[2:])
+                    for t in (scale, low, sup)))
 
 
-def _q4_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _q4_k(b: np.ndarray) -> tuple[np.ndarray, ...]:
     import gguf
 
     nb = b.shape[0]
-    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
-    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
     sc, mn = gguf.quants.Q4_K.get_scale_min(b[:, 4:16])                         # [nb, 8] each
     # 128 bytes: 4 chunks of 32; a chunk's low nibbles are sub-block 2c, its high nibbles 2c + 1.
     shifted = b[:, 16:].reshape(nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    q = (shifted & 0x0F).reshape(nb * 8, GROUP)
-    return q, (d * sc.astype(np.float32)).reshape(-1), (-(dmin * mn.astype(np.float32))).reshape(-1)
+    q = (shifted & 0x0F).reshape(nb, 256)
+    return q, sc.astype(np.uint8), mn.astype(np.uint8), b[:, 0:4].copy().view(np.float16).reshape(nb, 1, 2)
 
 
-def _q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _q6_k(b: np.ndarray) -> tuple[np.ndarray, ...]:
     # 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, fp16 d. Each half of 128 weights: its 64
     # low-nibble bytes give weights 0-63 (low nibbles) and 64-127 (high nibbles); its 32 high-bit bytes,
     # 2 bits for each quarter of 32.
@@ -73,7 +87,7 @@ def _q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     low = (b[:, :128].reshape(nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
     high = (b[:, 128:192].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
     q = low.reshape(nb, 256) | (high.reshape(nb, 256) << 4)
-    return q, b[:, 192:208].copy().view(np.int8), b[:, 208:210].copy().view(np.float16)
+    return q, b[:, 192:208].copy().view(np.int8), None, b[:, 208:210].copy().view(np.float16).reshape(nb, 1, 1)
 
 
 def pack(q: np.ndarray) -> torch.Tensor:
@@ -91,7 +105,8 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 def dequantize(groups: Groups) -> torch.Tensor:
     """float32 weights [N, K] of a tensor's groups, as GGUF computes them."""
     if groups.bits == 6:
-        q, d = groups.q.float() - 32, groups.low.float().repeat_interleave(16, 1)
+        q, d = groups.q.float() - 32, groups.super[..., 0].float().repeat_interleave(16, 1)
         return (q.view(q.shape[0], -1, 16) * (d * groups.scale.float())[..., None]).view(q.shape)
+    scale, low = groups.scale_min()
     q = unpack(groups.q).float().view(groups.q.shape[0], -1, GROUP)
-    return (q * groups.scale[:, :, None] + groups.low[:, :, None]).view(groups.q.shape[0], -1)
+    return (q * scale[:, :, None] + low[:, :, None]).view(groups.q.shape[0], -1)

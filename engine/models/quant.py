@@ -60,7 +60,7 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_groups(cls, groups: Groups, bias: Optional[nn.Parameter]) -> "Int4Linear":
-        return cls(groups.q, groups.scale.float(), groups.low.float(), bias)
+        return cls(groups.q, *groups.scale_min(), bias)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "Int4Linear":
@@ -84,15 +84,17 @@ class W4A8Linear(nn.Module):
     SLICE = 4096        # rows converted at a time: a vocabulary's temporaries would be several times its size
 
     def __init__(self, groups: Callable[[int, int], tuple], out_features: int, in_features: int,
-                 bias: Optional[nn.Parameter]):
-        """groups(r0, r1) -> (q, scale, min) of rows r0:r1 (q below 2**bits, scale and min per group of
-        32; cpu_w4a8.pack says what 6 bits take), packed into the kernel's layout slice by slice."""
+                 bias: Optional[nn.Parameter], k_scales: bool = False):
+        """groups(r0, r1) -> (q, scale, min, per-256 scales or None) of rows r0:r1 (q below 2**bits, scale
+        and min per group of 32; with k_scales Q4_K's own, and for 6 bits Q6_K's: cpu_w4a8.pack), packed
+        into the kernel's layout slice by slice."""
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
-        weight, scale, low = cpu_w4a8.empty(out_features, in_features, self.bits)
+        weight, scale, low = cpu_w4a8.empty(out_features, in_features, self.bits, k_scales)
         for r0 in range(0, out_features, self.SLICE):
             b0, b1 = r0 // 16, -(-min(r0 + self.SLICE, out_features) // 16)
-            weight[b0:b1], scale[b0:b1], low[b0:b1] = cpu_w4a8.pack(*groups(r0, r0 + self.SLICE), self.bits)
+            q, part_scale, part_low, sup = groups(r0, r0 + self.SLICE)
+            weight[b0:b1], scale[b0:b1], low[b0:b1] = cpu_w4a8.pack(q, part_scale, part_low, self.bits, sup)
         self.register_buffer("weight_packed", weight, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
         self.register_buffer("low", low, persistent=False)
@@ -101,13 +103,16 @@ class W4A8Linear(nn.Module):
 
     @classmethod
     def from_groups(cls, groups: Groups, bias: Optional[nn.Parameter]) -> "W4A8Linear":
-        """A GGUF's 4-bit groups (gguf_quant.Groups) as they are."""
-        q, scale, low = groups.q, groups.scale.float(), groups.low.float()
-        return cls(lambda r0, r1: (unpack(q[r0:r1]), scale[r0:r1], low[r0:r1]), q.shape[0], q.shape[1] * 2, bias)
+        """A GGUF's 4-bit groups (gguf_quant.Groups) as they are: Q4_K's with its own scales."""
+        def rows(r0: int, r1: int) -> tuple:
+            part = groups.map(lambda t: t[r0:r1])
+            return unpack(part.q), part.scale, part.low, part.super
+
+        return cls(rows, groups.q.shape[0], groups.q.shape[1] * 2, bias, k_scales=groups.super is not None)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "W4A8Linear":
-        return cls(lambda r0, r1: round_to_groups(weight[r0:r1]), *weight.shape, bias)
+        return cls(lambda r0, r1: (*round_to_groups(weight[r0:r1]), None), *weight.shape, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():       # the opaque op: no struct kept across traces
@@ -134,7 +139,7 @@ class Int8GroupLinear(W4A8Linear):
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "Int8GroupLinear":
-        return cls(lambda r0, r1: int8_groups(weight[r0:r1]), *weight.shape, bias)
+        return cls(lambda r0, r1: (*int8_groups(weight[r0:r1]), None), *weight.shape, bias)
 
 
 class Q6KLinear(W4A8Linear):
@@ -145,8 +150,7 @@ class Q6KLinear(W4A8Linear):
 
     @classmethod
     def from_groups(cls, groups: Groups, bias: Optional[nn.Parameter]) -> "Q6KLinear":
-        q, scale, d = groups.q, groups.scale, groups.low
-        return cls(lambda r0, r1: (q[r0:r1], scale[r0:r1], d[r0:r1]), *q.shape, bias)
+        return cls(lambda r0, r1: tuple(groups.map(lambda t: t[r0:r1])[1:]), *groups.q.shape, bias)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "Q6KLinear":
@@ -367,9 +371,11 @@ def install_gguf_groups(model: nn.Module, groups: Callable[[str], Optional[Group
         base = prefix.rsplit(".", 1)[0]
         names = [f"{base}.{p}.weight" for p in PARTS.get(attr, (attr,))]
         parts = [groups(n) for n in names]
-        if any(p is None for p in parts) or len({p.bits for p in parts}) > 1 or layer_class(parts[0].bits) is None:
+        if any(p is None for p in parts) or len({(p.bits, p.super is None) for p in parts}) > 1 \
+                or layer_class(parts[0].bits) is None:
             continue        # a part in another format (Q8_0, ..., Q6_K beside Q4_K): quantized from floats (BESIDE_GROUPS)
-        fused = Groups(parts[0].bits, *(torch.cat([p[i] for p in parts]) for i in range(1, 4)))
+        fused = Groups(parts[0].bits, *(None if parts[0][i] is None else torch.cat([p[i] for p in parts])
+                                        for i in range(1, 5)))
         setattr(parent, attr, layer_class(fused.bits).from_groups(fused, getattr(parent, attr).bias))
         provided.update(names)
         release_freed_memory()
