@@ -10,14 +10,14 @@
 - w4a8 (the default for GGUF files on CPUs with AVX-512 VNNI): a GGUF's own 4-bit groups (below)
   times int8 activations quantized in the same groups of 32, in our C kernel (kernels/cpu_w4a8.c:
   VNNI integer dot products, weights unpacked once for up to 8 rows, each row's result independent of
-  the others). Scale and min kept as fp16. A target's Q6_K layers and head are served as the file
-  stores them (Q6KLinear, the same kernel, 0.82 bytes a weight); other layers the GGUF stores above 4
-  bits (Q8_0, Q5_*, a Q6_K part fused beside 4-bit ones) and a float head become symmetric int8 groups
-  of 32 there (Int8GroupLinear: Q8_0 exactly); the embedding is int8 rows. A float checkpoint's
-  linears are rounded to 4-bit groups. On a Xeon
-  (AVX-512 VNNI) Qwen2.5-1.5B's gate/up projection took 0.21 ms for 1 row and 0.38 ms for 8, against
-  w8a8_int8's 0.41 and 0.52; a 512-token prefill ran at 201 tokens/s against w8a8_int8's 459 (oneDNN's
-  AMX GEMM). 0.625 bytes per weight.
+  the others). Q4_0/Q4_1 scale and min kept as fp16 (0.625 bytes per weight); Q4_K's own 6-bit
+  scales and mins and fp16 d and dmin per 256, as the file stores them (0.58). A target's Q6_K layers
+  and head are served as the file stores them too (Q6KLinear, the same kernel, 0.82 bytes a weight);
+  other layers the GGUF stores above 4 bits (Q8_0, Q5_*, a Q6_K part fused beside 4-bit ones) and a
+  float head become symmetric int8 groups of 32 there (Int8GroupLinear: Q8_0 exactly); the embedding
+  is int8 rows. A float checkpoint's linears are rounded to 4-bit groups. On a Xeon (AVX-512 VNNI)
+  Qwen2.5-1.5B's gate/up projection took 0.21 ms for 1 row and 0.38 ms for 8, against w8a8_int8's
+  0.41 and 0.52; a 512-token prefill ran at 201 tokens/s against w8a8_int8's 459 (oneDNN's AMX GEMM).
 - int4: groups of 32 weights along the input, w = q * scale + min with q in 0..15 (GGUF's Q4_0, Q4_1
   and Q4_K are exactly this, engine/loader/gguf_quant.py), weight-only: torch's
   _weight_int4pack_mm_for_cpu with bf16 activations (scalar, 7-20x slower, with fp32 ones), the scale
