@@ -189,40 +189,47 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     assert spec.generate(input_ids=[ids], sampling_params=GREEDY)[0]["output_ids"] == plain[0]["output_ids"]
 
 
-def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tmp_path, monkeypatch):
-    """Q4_K layers (gate/up), Q6_K ones (down_proj, v_proj beside Q4_K q/k) and an untied Q6_K head: the
-    converted directory keeps their blocks bit-exactly; under w4a8 the target serves gate/up, down_proj
-    and the head from them (W4A8Linear with Q4_K's own scales, Q6KLinear: the file's weights exactly),
-    the fused q/k/v with its mixed formats as int8 groups, and its logits are the float reference's
-    within the activations' int8 rounding; a STANDALONE draft from the same file rounds the Q6_K ones to
-    4 bits and the output stays the target's."""
+@pytest.mark.parametrize("tie", [False, True])
+def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tie, tmp_path, monkeypatch):
+    """Q4_K layers (gate/up) and embedding, Q6_K ones (down_proj, v_proj beside Q4_K q/k) and an untied
+    Q6_K head: the converted directory keeps their blocks bit-exactly; under w4a8 the target serves
+    gate/up, down_proj, the embedding and the head (a tied one from the embedding's groups) from them
+    (W4A8Linear with Q4_K's own scales, Q6KLinear, GroupEmbedding: the file's weights exactly), the fused
+    q/k/v with its mixed formats as int8 groups, and its logits are the float reference's within the
+    activations' int8 rounding; a STANDALONE draft from the same file rounds the Q6_K ones to 4 bits and
+    the output stays the target's."""
     from engine import Engine
     from engine.forward_batch import make_batch
     from engine.loader import convert_gguf, iter_weights
     from engine.loader.gguf_convert import gguf_groups
-    from engine.models.quant import Q6KLinear
+    from engine.models.quant import GroupEmbedding, Q6KLinear
 
     if cpu_w4a8.library() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
     tokenizer = gguf_tokenizer()
-    model = tiny_llama(len(tokenizer), hidden_size=256, intermediate_size=512)       # Q6_K: rows of 256s
+    model = tiny_llama(len(tokenizer), tie=tie, hidden_size=256, intermediate_size=512)   # K quants: rows of 256s
     types = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q4_1", "gate_proj": "Q4_K",
-             "up_proj": "Q4_K", "down_proj": "Q6_K", "lm_head": "Q6_K"}
+             "up_proj": "Q4_K", "down_proj": "Q6_K", "lm_head": "Q6_K", "embed_tokens": "Q4_K"}
     path = tmp_path / "tiny-llama.Q6_K.gguf"
     write_tiny_gguf(path, model, tokenizer, types)
     converted = convert_gguf(path)
     groups, weights = gguf_groups(converted), dict(iter_weights(converted))
-    for name in ("model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.v_proj.weight", "lm_head.weight",
+    head_name = "model.embed_tokens.weight" if tie else "lm_head.weight"
+    for name in ("model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.v_proj.weight", head_name,
                  "model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight"):
         assert torch.equal(gguf_quant.dequantize(groups(name)), weights[name]), name
 
     target = Engine(model_path=str(path), max_total_tokens=2048, quantization="w4a8")
     reference = Engine(model_path=str(path), max_total_tokens=2048, dtype="float32")
     served = target._target.model
-    assert type(served.model.layers[1].mlp.down_proj) is Q6KLinear and type(served.quant_head) is Q6KLinear
+    assert type(served.model.layers[1].mlp.down_proj) is Q6KLinear
+    assert type(served.quant_head) is (W4A8Linear if tie else Q6KLinear)
     assert type(served.model.layers[0].self_attn.qkv_proj) is Int8GroupLinear
-    assert torch.equal(served.quant_head.dequantized(), weights["lm_head.weight"])
+    assert torch.equal(served.quant_head.dequantized(), weights[head_name])
+    embedding = served.model.embed_tokens
+    assert type(embedding) is GroupEmbedding
+    assert torch.equal(embedding.dequantized(), weights["model.embed_tokens.weight"].to(embedding.dtype))
     layer = served.model.layers[1].mlp
     assert torch.equal(layer.down_proj.dequantized(), weights["model.layers.1.mlp.down_proj.weight"])
     assert type(layer.gate_up_proj) is W4A8Linear and torch.equal(layer.gate_up_proj.dequantized(), torch.cat(

@@ -117,8 +117,8 @@ def test_quantized_weights_are_quantized_after_sharding(kind, target):
 @pytest.mark.parametrize("six_bits", [False, True])
 def test_gguf_groups_are_cut_by_rank(six_bits, tmp_path, monkeypatch):
     """A GGUF's own 4-bit layers, served sharded: every rank's block of them stays 4-bit (w4a8, or int4
-    without VNNI); with Q4_K gate/up, Q6_K down projections and head, those stay as stored under w4a8
-    (the head cut by vocabulary, its last block padded)."""
+    without VNNI); with Q4_K gate/up and embedding, Q6_K down projections and head, those stay as stored
+    under w4a8 (the head and the embedding cut by vocabulary, their last blocks padded)."""
     from tests.test_loader import gguf_tokenizer, tiny_llama, write_tiny_gguf
 
     if six_bits and cpu_w4a8.kernel_name() != "avx512-vnni":
@@ -130,7 +130,7 @@ def test_gguf_groups_are_cut_by_rank(six_bits, tmp_path, monkeypatch):
              "up_proj": "Q4_1", "down_proj": "Q4_0"}
     sizes = {}
     if six_bits:        # down_proj's 512 inputs: a super-block of 256 per rank
-        types.update(gate_proj="Q4_K", up_proj="Q4_K", down_proj="Q6_K", lm_head="Q6_K")
+        types.update(gate_proj="Q4_K", up_proj="Q4_K", down_proj="Q6_K", lm_head="Q6_K", embed_tokens="Q4_K")
         sizes = dict(hidden_size=256, intermediate_size=512)
     write_tiny_gguf(path, tiny_llama(len(tokenizer), **sizes), tokenizer, types)
     args = dict(input_ids=[5, 6, 7, 8], sampling_params={**GREEDY, "max_new_tokens": 1}, return_logprob=True,
@@ -143,6 +143,7 @@ def test_gguf_groups_are_cut_by_rank(six_bits, tmp_path, monkeypatch):
         assert kinds == {CLASSES["w4a8" if cpu_w4a8.kernel_name() == "avx512-vnni" else "int4"]}
         if six_bits:
             assert type(layer.mlp.down_proj).__name__ == type(model.quant_head).__name__ == "Q6KLinear"
+            assert type(model.model.embed_tokens).__name__ == "GroupEmbedding"
         else:
             assert type(layer.mlp.down_proj).__name__ in kinds
         top, ref = (e.generate(**args)["meta_info"]["output_top_logprobs"][0] for e in (two, one))

@@ -19,7 +19,6 @@ from engine.distributed.sharding import local_weights
 from engine.forward_batch import ForwardBatch
 from engine.models import fused_decode
 from engine.models.prepack import PrepackedLinear, prepack_linears
-from engine.models.quant import Int8Embedding
 from spec_kernels import cpu_elementwise
 
 
@@ -195,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
             return self.quant_head.dequantized()
         if self.tie_word_embeddings:
             embedding = self.model.embed_tokens
-            return embedding.dequantized() if isinstance(embedding, Int8Embedding) else embedding.weight
+            return embedding.dequantized() if hasattr(embedding, "dequantized") else embedding.weight
         return self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
