@@ -14,8 +14,9 @@
   scales and mins and fp16 d and dmin per 256, as the file stores them (0.58). A target's Q6_K layers
   and head are served as the file stores them too (Q6KLinear, the same kernel, 0.82 bytes a weight);
   other layers the GGUF stores above 4 bits (Q8_0, Q5_*, a Q6_K part fused beside 4-bit ones) and a
-  float head become symmetric int8 groups of 32 there (Int8GroupLinear: Q8_0 exactly); the embedding
-  is int8 rows. A float checkpoint's linears are rounded to 4-bit groups. On a Xeon (AVX-512 VNNI)
+  float head become symmetric int8 groups of 32 there (Int8GroupLinear: Q8_0 exactly); an embedding
+  the GGUF stores in 4-bit or Q6_K blocks stays in them (GroupEmbedding), another one becomes int8
+  rows. A float checkpoint's linears are rounded to 4-bit groups. On a Xeon (AVX-512 VNNI)
   Qwen2.5-1.5B's gate/up projection took 0.21 ms for 1 row and 0.38 ms for 8, against w8a8_int8's
   0.41 and 0.52; a 512-token prefill ran at 201 tokens/s against w8a8_int8's 459 (oneDNN's AMX GEMM).
 - int4: groups of 32 weights along the input, w = q * scale + min with q in 0..15 (GGUF's Q4_0, Q4_1
@@ -24,7 +25,8 @@
   and min rounded to bf16 there. As fast as w8a8_int8 for one row, ~3.7x that for 8. 0.625 bytes per
   weight, and a GGUF's own 4-bit weights served exactly.
 The layers quantized are the decoder's (q/k/v, o, gate/up, down); with w8a8_int8 and w4a8 the lm_head
-too, and the embedding is kept as int8 rows (Int8Embedding). Norms stay dense.
+too, and the embedding is kept as int8 rows (Int8Embedding; under w4a8 a GGUF's own groups where it
+has them). Norms stay dense.
 """
 
 from __future__ import annotations
