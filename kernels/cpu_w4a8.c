@@ -295,10 +295,11 @@ static void block_rows(const uint8_t *w, const uint16_t *ws, const uint16_t *wm,
 #undef ROWS_CASES
 }
 
-/* out[m0 + r, b * NB + n] = y[r * NB + n] (+ bias) in x's dtype, as float_to_bf16 rounds; a full block 16
- * lanes at a time (the same operations: in scalar code this loop took a quarter of a SmolLM2 linear). */
+/* out[m0 + r, col0 + b * NB + n] = y[r * NB + n] (+ bias) in x's dtype, as float_to_bf16 rounds, rows of
+ * `stride` values; a full block 16 lanes at a time (the same operations: in scalar code this loop took a
+ * quarter of a SmolLM2 linear). */
 static void store_block(const struct spec_w4a8_layer *L, const float *y, int rows, int64_t b, int64_t m0, int bf16,
-                        void *out) {
+                        void *out, int64_t stride, int64_t col0) {
     const int64_t N = L->N, n0 = b * NB;
     const int width = N - n0 < NB ? (int)(N - n0) : NB;
     int from = 0;
@@ -312,7 +313,7 @@ static void store_block(const struct spec_w4a8_layer *L, const float *y, int row
         for (int r = 0; r < rows; r++) {
             __m512 v = _mm512_loadu_ps(y + r * NB);
             if (L->bias) v = _mm512_add_ps(v, bias);
-            const int64_t at = (m0 + r) * N + n0;
+            const int64_t at = (m0 + r) * stride + col0 + n0;
             if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), float_to_bf16x16(v));
             else _mm512_storeu_ps((float *)out + at, v);
         }
@@ -325,7 +326,7 @@ static void store_block(const struct spec_w4a8_layer *L, const float *y, int row
             if (L->bias)
                 v += L->bias_bf16 ? bf16_to_float(((const uint16_t *)L->bias)[n0 + n])
                                   : ((const float *)L->bias)[n0 + n];
-            const int64_t at = (m0 + r) * N + n0 + n;
+            const int64_t at = (m0 + r) * stride + col0 + n0 + n;
             if (bf16) ((uint16_t *)out)[at] = float_to_bf16(v);
             else ((float *)out)[at] = v;
         }
@@ -333,19 +334,25 @@ static void store_block(const struct spec_w4a8_layer *L, const float *y, int row
 
 /* A layer (struct spec_w4a8_layer, kernels.h): `bits` (4, 6 or 8) weights (with k_scales, Q4_K's form),
  * scales and mins as described above for N rows (padded to blocks of 16), bias [N] (fp32, or bf16 when
- * bias_bf16) or NULL. Set up once per layer by the caller. */
+ * bias_bf16) or NULL, and the layers chained after it by `next`, whose rows follow its own in the output
+ * (same K). Set up once per layer by the caller. */
 
 /* Per calling thread: the quantized activations, grown as needed and kept (no allocation per call). */
 static _Thread_local void *scratch;
 static _Thread_local size_t scratch_bytes;
 
-/* x [M, K] (fp32, or bf16 when bf16) -> out [M, N] in x's dtype. Returns 0, -1 when out of memory,
- * -2 when K is not a multiple of 32 (of 256 for Q4_K and 6 bits). */
+static int64_t blocks_of(const struct spec_w4a8_layer *L) { return (L->N + NB - 1) / NB; }
+
+/* x [M, K] (fp32, or bf16 when bf16) -> out [M, N] in x's dtype (N: the chain's rows). Returns 0, -1 when
+ * out of memory, -2 when K is not a multiple of 32 (of 256 for Q4_K and 6 bits) or differs in the chain. */
 int spec_w4a8_linear(const struct spec_w4a8_layer *L, const void *x, int bf16, int64_t M, void *out, int threads) {
-    const int64_t K = L->K, N = L->N;
-    const int G = (int)(K / GROUP), bits = (int)L->bits;
-    const int kq = (int)L->k_scales;
-    if (K % GROUP != 0 || ((bits == 6 || kq) && G % 8 != 0)) return -2;
+    const int64_t K = L->K;
+    const int G = (int)(K / GROUP);
+    int64_t N = 0, blocks = 0;
+    for (const struct spec_w4a8_layer *s = L; s; s = s->next) {
+        if (s->K != K || K % GROUP != 0 || ((s->bits == 6 || s->k_scales) && G % 8 != 0)) return -2;
+        N += s->N, blocks += blocks_of(s);
+    }
     const size_t need = (size_t)M * K + 2 * sizeof(float) * M * G + 2 * sizeof(int32_t) * M * G;
     if (need > scratch_bytes) {
         void *grown = realloc(scratch, need);
@@ -359,17 +366,20 @@ int spec_w4a8_linear(const struct spec_w4a8_layer *L, const void *x, int bf16, i
 #pragma omp parallel for num_threads(threads) schedule(static) if (M > 8)
     for (int64_t m = 0; m < M; m++)
         quantize_row((const char *)x + m * K * item, bf16, (int)K, x8 + m * K, dx + m * G, sx + m * G, xh + 2 * m * G);
-    const int64_t blocks = (N + NB - 1) / NB;
     /* A small product runs on this thread: waking the others costs more than it saves. */
 #pragma omp parallel for num_threads(threads) schedule(static) if (N * K * M >= (1 << 16))
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *w = L->weight + b * G * 64 * bits;
-        const uint16_t *ws = L->scale + b * G * NB, *wm = L->low + b * (bits == 6 ? G / 8 : kq ? G / 4 : G) * NB;
+    for (int64_t i = 0; i < blocks; i++) {
+        const struct spec_w4a8_layer *s = L;    /* block i of the chain: block b of s, whose rows start at col0 */
+        int64_t b = i, col0 = 0;
+        for (; b >= blocks_of(s); s = s->next) b -= blocks_of(s), col0 += s->N;
+        const int bits = (int)s->bits, kq = (int)s->k_scales;
+        const uint8_t *w = s->weight + b * G * 64 * bits;
+        const uint16_t *ws = s->scale + b * G * NB, *wm = s->low + b * (bits == 6 ? G / 8 : kq ? G / 4 : G) * NB;
         float y[MR * NB];
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int rows = M - m0 < MR ? (int)(M - m0) : MR;
             block_rows(w, ws, wm, G, x8 + m0 * K, K, dx + m0 * G, sx + m0 * G, xh + 2 * m0 * G, bits, kq, rows, y);
-            store_block(L, y, rows, b, m0, bf16, out);
+            store_block(s, y, rows, b, m0, bf16, out, N, col0);
         }
     }
     return 0;

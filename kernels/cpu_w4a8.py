@@ -15,10 +15,11 @@ GROUP = 32
 
 
 class Layer(ctypes.Structure):
-    """struct spec_w4a8_layer: what a call needs besides its activations, set up once per layer (`layer`)."""
+    """struct spec_w4a8_layer: what a call needs besides its activations, set up once per layer (`layer`),
+    and the layers of the next output columns (`chain`)."""
     _fields_ = [("K", ctypes.c_int64), ("N", ctypes.c_int64), ("bits", ctypes.c_int64), ("bias_bf16", ctypes.c_int64),
                 ("k_scales", ctypes.c_int64), ("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p),
-                ("low", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+                ("low", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("next", ctypes.c_void_p)]
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -133,21 +134,31 @@ def layer(weight: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: Op
                  bias.data_ptr() if bias is not None else None)
 
 
-def call(layer: Layer, x: torch.Tensor) -> torch.Tensor:
-    """Eager calls: the kernel on x with a layer's struct, and as little Python around it as can be (a
-    layer runs ~100 times a token)."""
+def chain(layers: list[Layer]) -> Layer:
+    """The first of `layers`, each linked to the next: one call computes their rows one after another,
+    the activations quantized once. The structs must outlive the chain."""
+    for first, second in zip(layers, layers[1:]):
+        first.next = ctypes.addressof(second)
+    return layers[0]
+
+
+def call(layer: Layer, x: torch.Tensor, out_features: Optional[int] = None) -> torch.Tensor:
+    """Eager calls: the kernel on x with a layer's struct (of a chain's `out_features` rows), and as
+    little Python around it as can be (a layer runs ~100 times a token)."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"w4a8 CPU kernel unavailable: {failure()}")
+    N = out_features or layer.N
     rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, layer.K).contiguous()
-    out = torch.empty((rows.shape[0], layer.N), dtype=x.dtype)
+    out = torch.empty((rows.shape[0], N), dtype=x.dtype)
     if rows.shape[0] == 0:
-        return out.view(*x.shape[:-1], layer.N)
+        return out.view(*x.shape[:-1], N)
     rc = lib.spec_w4a8_linear(ctypes.byref(layer), rows.data_ptr(), x.dtype == torch.bfloat16, rows.shape[0],
                               out.data_ptr(), torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError("w4a8_linear: out of memory" if rc == -1 else "w4a8_linear: K is not a multiple of 32 (of 256 for Q4_K and 6 bits)")
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], layer.N)
+        raise RuntimeError("w4a8_linear: out of memory" if rc == -1 else
+                           "w4a8_linear: K is not a multiple of 32 (of 256 for Q4_K and 6 bits), or not one K in a chain")
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], N)
 
 
 @torch.library.custom_op("spec::w4a8_linear", mutates_args=())

@@ -3,12 +3,14 @@
 #define SPEC_KERNELS_H
 #include <stdint.h>
 
-/* A w4a8 layer (cpu_w4a8.c describes the layout). */
+/* A w4a8 layer (cpu_w4a8.c describes the layout); `next`: the layer of the output's next columns, in
+ * another format (a fused projection whose parts a GGUF stores differently), or NULL. */
 struct spec_w4a8_layer {
     int64_t K, N, bits, bias_bf16, k_scales;
     const uint8_t *weight;
     const uint16_t *scale, *low;
     const void *bias;
+    const struct spec_w4a8_layer *next;
 };
 
 int spec_w4a8_linear(const struct spec_w4a8_layer *L, const void *x, int bf16, int64_t M, void *out, int threads);

@@ -81,6 +81,22 @@ def test_rows_and_threads_do_not_change_a_rows_bits(form):
     assert cpu_w4a8.linear(x[:0], *weights, None, 48).shape == (0, 48)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chain_of_layers_in_different_forms_is_their_outputs_side_by_side(dtype):
+    """Parts of a fused projection stored in different forms, chained: one call gives each part's
+    columns, with its own slice of the bias, bit for bit what the part alone gives."""
+    forms, sizes = ("Q4_K", "4", "Q6_K"), (40, 16, 24)
+    parts = [packed(*layer(n, 256, seed=i, form=f)[:4], f) for i, (f, n) in enumerate(zip(forms, sizes))]
+    bias = torch.randn(sum(sizes)).to(dtype)
+    x = torch.randn(11, 256).to(dtype)
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    biases = [bias[end - n:end] for n, end in zip(sizes, ends)]
+    structs = [cpu_w4a8.layer(*p, b, n) for p, b, n in zip(parts, biases, sizes)]
+    together = cpu_w4a8.call(cpu_w4a8.chain(structs), x, sum(sizes))
+    alone = torch.cat([cpu_w4a8.linear(x, *p, b, n) for p, b, n in zip(parts, biases, sizes)], -1)
+    assert together.shape == (11, 80) and torch.equal(together, alone)
+
+
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q6_K"])
 def test_a_linear_from_gguf_groups_holds_the_files_weights(kind, monkeypatch):
     """Blocks as a GGUF stores them -> W4A8Linear (Q6KLinear), packed in slices of 16 rows: it holds the

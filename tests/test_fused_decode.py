@@ -44,9 +44,21 @@ def forwards(model_dir, monkeypatch, fused: bool, **kw):
 
 
 @pytest.mark.parametrize("arch, overlap", [("llama", False), ("qwen2", False),    # qwen2: q/k/v biases
-                                           ("llama", True)])    # forwards on the overlap scheduler's thread
+                                           ("llama", True),     # forwards on the overlap scheduler's thread
+                                           ("gguf", False)])    # K quants, q/k/v in Q4_K and Q6_K chained
 def test_fused_layers_give_the_eager_layers_bits(arch, overlap, tmp_path, monkeypatch):
-    model = make_model(tmp_path, arch, layers=3, seed=5)
+    if arch == "gguf":
+        from engine.loader import convert_gguf
+        from tests.test_loader import gguf_tokenizer, tiny_llama, write_tiny_gguf
+
+        monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
+        tokenizer, model = gguf_tokenizer(), tmp_path / "tiny.gguf"
+        types = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q4_1", "gate_proj": "Q4_K",
+                 "up_proj": "Q4_K", "down_proj": "Q6_K"}
+        write_tiny_gguf(model, tiny_llama(len(tokenizer), hidden_size=256, intermediate_size=512), tokenizer, types)
+        model = convert_gguf(model)         # here, in this test's cache: `forwards` undoes its monkeypatching
+    else:
+        model = make_model(tmp_path, arch, layers=3, seed=5)
     fused, fused_out, calls, stats = forwards(model, monkeypatch, fused=True, enable_overlap_schedule=overlap)
     eager, eager_out, none, _ = forwards(model, monkeypatch, fused=False, enable_overlap_schedule=overlap)
     assert calls > 0 and none == 0 and stats["spec_verify_ct"] > 0     # decode and verify steps ran fused

@@ -390,6 +390,19 @@ def tiny_gguf(tmp_path, model, tokenizer) -> Path:
     return path
 
 
+def test_a_conversion_removes_the_copies_older_versions_made(tiny_gguf):
+    """A new conversion format converts again; the same file's copies in older formats are removed
+    (a 1.5B model's is ~6 GB), other files' copies stay."""
+    from engine.loader.gguf_convert import _FORMAT, converted_root
+
+    stat = tiny_gguf.stat()
+    stale = converted_root() / f"{tiny_gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{_FORMAT - 1}"
+    other = converted_root() / f"other-{stat.st_size}-{stat.st_mtime_ns}-v{_FORMAT - 1}"
+    for folder in (stale, other):
+        folder.mkdir(parents=True)
+    assert convert_gguf(tiny_gguf).is_dir() and not stale.exists() and other.is_dir()
+
+
 def test_gguf_converts_to_the_original_weights(tiny_gguf, model, tokenizer):
     converted = resolve_model_path(str(tiny_gguf))
     assert converted.parent == Path(os.environ["SPEC_CACHE_DIR"]) / "converted"

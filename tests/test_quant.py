@@ -194,15 +194,15 @@ def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tie, tmp_path, monk
     """Q4_K layers (gate/up) and embedding, Q6_K ones (down_proj, v_proj beside Q4_K q/k) and an untied
     Q6_K head: the converted directory keeps their blocks bit-exactly; under w4a8 the target serves
     gate/up, down_proj, the embedding and the head (a tied one from the embedding's groups) from them
-    (W4A8Linear with Q4_K's own scales, Q6KLinear, GroupEmbedding: the file's weights exactly), the fused
-    q/k/v with its mixed formats as int8 groups, and its logits are the float reference's within the
-    activations' int8 rounding; a STANDALONE draft from the same file rounds the Q6_K ones to 4 bits and
+    (W4A8Linear with Q4_K's own scales, Q6KLinear, GroupEmbedding, the fused q/k/v's mixed parts
+    chained in a MixedLinear: the file's weights exactly), and its logits are the float reference's
+    within the activations' int8 rounding; a STANDALONE draft from the same file rounds the Q6_K ones to 4 bits and
     the output stays the target's."""
     from engine import Engine
     from engine.forward_batch import make_batch
     from engine.loader import convert_gguf, iter_weights
     from engine.loader.gguf_convert import gguf_groups
-    from engine.models.quant import GroupEmbedding, Q6KLinear
+    from engine.models.quant import GroupEmbedding, MixedLinear, Q6KLinear
 
     if cpu_w4a8.library() is None:
         pytest.skip("no C compiler")
@@ -225,7 +225,10 @@ def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tie, tmp_path, monk
     served = target._target.model
     assert type(served.model.layers[1].mlp.down_proj) is Q6KLinear
     assert type(served.quant_head) is (W4A8Linear if tie else Q6KLinear)
-    assert type(served.model.layers[0].self_attn.qkv_proj) is Int8GroupLinear
+    qkv = served.model.layers[0].self_attn.qkv_proj
+    assert type(qkv) is MixedLinear and [type(p) for p in qkv.parts] == [W4A8Linear, W4A8Linear, Q6KLinear]
+    assert torch.equal(qkv.dequantized(), torch.cat([weights[f"model.layers.0.self_attn.{p}_proj.weight"]
+                                                     for p in "qkv"]))
     assert torch.equal(served.quant_head.dequantized(), weights[head_name])
     embedding = served.model.embed_tokens
     assert type(embedding) is GroupEmbedding

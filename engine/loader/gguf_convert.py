@@ -12,6 +12,7 @@ never convert should not pay.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import shutil
@@ -61,6 +62,10 @@ def convert_gguf(gguf_path: Path) -> Path:
             # Another process finished the same conversion first; its result is as good as ours.
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    for stale in out.parent.glob(f"{glob.escape(out.name.rsplit('-v', 1)[0])}-v*"):
+        if stale != out:            # an older format's copy of the same file (a 1.5B model's is ~6 GB)
+            logger.info("Removing %s, converted by an older version", stale)
+            shutil.rmtree(stale, ignore_errors=True)
     return out
 
 

@@ -75,7 +75,7 @@ def plan(model: nn.Module, h: torch.Tensor, rope, batch: ForwardBatch, backend) 
 
 def _check(model: nn.Module) -> bool:
     from engine.models.llama import MLP, Attention, DecoderLayer, RMSNorm
-    from engine.models.quant import W4A8Linear
+    from engine.models.quant import MixedLinear, W4A8Linear
 
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers:
@@ -86,7 +86,7 @@ def _check(model: nn.Module) -> bool:
                 and layer.tp is None and not attention.qk_norm):
             return False
         linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(m, W4A8Linear) for m in linears):
+        if not all(isinstance(m, (W4A8Linear, MixedLinear)) for m in linears):
             return False
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if not all(type(n) is RMSNorm and n.weight.dtype == torch.bfloat16 for n in norms):

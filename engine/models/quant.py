@@ -160,6 +160,42 @@ class Q6KLinear(W4A8Linear):
                         "Int8GroupLinear")
 
 
+class MixedLinear(nn.Module):
+    """A fused projection whose parts a GGUF stores in different formats (Qwen2.5-Coder's Q4_K_M: q and k
+    in Q4_K, v in Q6_K in half the layers), each part in its own layout (W4A8Linear, Q6KLinear): one
+    kernel call over their chained structs quantizes the activations once and writes each part's
+    columns. The file's weights exactly, where one format for all would round them again."""
+
+    def __init__(self, parts: list[W4A8Linear], bias: Optional[nn.Parameter]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+        self.bias = bias
+        self._chain: Optional[list[cpu_w4a8.Layer]] = None
+
+    def _bias_slices(self) -> list[Optional[torch.Tensor]]:
+        ends = torch.tensor([p.out_features for p in self.parts]).cumsum(0).tolist()
+        return [None if self.bias is None else self.bias[end - p.out_features:end] for p, end in zip(self.parts, ends)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():       # the parts' opaque ops, each adding its bias as the chain does
+            return torch.cat([cpu_w4a8.linear(x, p.weight_packed, p.scale, p.low, b, p.out_features)
+                              for p, b in zip(self.parts, self._bias_slices())], -1)
+        return cpu_w4a8.call(self.c_layer(), x, self.out_features)
+
+    def c_layer(self) -> cpu_w4a8.Layer:
+        """The chain's first struct, made on the first eager call and again if a tensor has moved."""
+        first = self.parts[0]
+        if self._chain is None or self._chain[0].weight != first.weight_packed.data_ptr() or (
+                self.bias is not None and self._chain[0].bias != self.bias.data_ptr()):
+            self._chain = [cpu_w4a8.layer(p.weight_packed, p.scale, p.low, b, p.out_features)
+                           for p, b in zip(self.parts, self._bias_slices())]
+        return cpu_w4a8.chain(self._chain)
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.cat([p.dequantized() for p in self.parts])
+
+
 def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float weights [N, K] -> (q + 128 [N, K] uint8, scale, min = -128 * scale): symmetric groups of 32,
     the scale rounded to fp16 (what the kernel keeps) before the weights are divided by it."""
@@ -387,12 +423,12 @@ def release_freed_memory() -> None:
 
 def install_gguf_groups(model: nn.Module, groups: Callable[[str], Optional[Groups]], kind: str,
                         draft: bool = False) -> set[str]:
-    """Replace every decoder linear whose checkpoint parts all come as GGUF groups of one width
+    """Replace every decoder linear whose checkpoint parts all come as GGUF groups
     (`groups(hf name)` -> gguf_quant.Groups or None) with a `kind` layer built from them: 4-bit groups
     as FROM_GROUPS says, and under w4a8 a target's Q6_K ones as Q6KLinear (a `draft`'s are rounded to
-    4 bits, DRAFT_HEADS says why); likewise an untied head, and the embedding (GroupEmbedding, a tied
-    head made from the same groups). Returns the checkpoint names now provided (their float copies
-    need not be loaded)."""
+    4 bits, DRAFT_HEADS says why) and a fused projection's parts of different formats chained
+    (MixedLinear); likewise an untied head, and the embedding (GroupEmbedding, a tied head made from the
+    same groups). Returns the checkpoint names now provided (their float copies need not be loaded)."""
     def layer_class(bits: int) -> Optional[type]:
         return FROM_GROUPS[kind] if bits == 4 else None if draft else SIX_BITS.get(kind)
 
@@ -401,12 +437,18 @@ def install_gguf_groups(model: nn.Module, groups: Callable[[str], Optional[Group
         base = prefix.rsplit(".", 1)[0]
         names = [f"{base}.{p}.weight" for p in PARTS.get(attr, (attr,))]
         parts = [groups(n) for n in names]
-        if any(p is None for p in parts) or len({(p.bits, p.super is None) for p in parts}) > 1 \
-                or layer_class(parts[0].bits) is None:
-            continue        # a part in another format (Q8_0, ..., Q6_K beside Q4_K): quantized from floats (BESIDE_GROUPS)
-        fused = Groups(parts[0].bits, *(None if parts[0][i] is None else torch.cat([p[i] for p in parts])
-                                        for i in range(1, 5)))
-        setattr(parent, attr, layer_class(fused.bits).from_groups(fused, getattr(parent, attr).bias))
+        if any(p is None or layer_class(p.bits) is None for p in parts):
+            continue        # a part in another format (Q8_0, Q5_*, ...): quantized from floats (BESIDE_GROUPS)
+        bias, formats = getattr(parent, attr).bias, {(p.bits, p.super is None) for p in parts}
+        if len(formats) > 1 and kind == "w4a8":
+            layer = MixedLinear([layer_class(p.bits).from_groups(p, None) for p in parts], bias)
+        else:
+            if len(formats) > 1:        # int4: 4-bit parts with and without Q4_K's own scales, as fp32 ones
+                parts = [Groups(4, p.q, *p.scale_min()) for p in parts]
+            fused = Groups(parts[0].bits, *(None if parts[0][i] is None else torch.cat([p[i] for p in parts])
+                                            for i in range(1, 5)))
+            layer = layer_class(fused.bits).from_groups(fused, bias)
+        setattr(parent, attr, layer)
         provided.update(names)
         release_freed_memory()
     vocab = kind in HEADS and hasattr(model, "quant_head")
