@@ -12,9 +12,10 @@
   VNNI integer dot products, weights unpacked once for up to 8 rows, each row's result independent of
   the others). Q4_0/Q4_1 scale and min kept as fp16 (0.625 bytes per weight); Q4_K's own 6-bit
   scales and mins and fp16 d and dmin per 256, as the file stores them (0.58). A target's Q6_K layers
-  and head are served as the file stores them too (Q6KLinear, the same kernel, 0.82 bytes a weight);
-  other layers the GGUF stores above 4 bits (Q8_0, Q5_*, a Q6_K part fused beside 4-bit ones) and a
-  float head become symmetric int8 groups of 32 there (Int8GroupLinear: Q8_0 exactly); an embedding
+  and head are served as the file stores them too (Q6KLinear, the same kernel, 0.82 bytes a weight),
+  and a fused projection whose parts come in different formats chains them (MixedLinear); other
+  layers the GGUF stores above 4 bits (Q8_0, Q5_*) and a float head become symmetric int8 groups of 32
+  there (Int8GroupLinear: Q8_0 exactly); an embedding
   the GGUF stores in 4-bit or Q6_K blocks stays in them (GroupEmbedding), another one becomes int8
   rows. A float checkpoint's linears are rounded to 4-bit groups. On a Xeon (AVX-512 VNNI)
   Qwen2.5-1.5B's gate/up projection took 0.21 ms for 1 row and 0.38 ms for 8, against w8a8_int8's
