@@ -15,11 +15,11 @@
   and head are served as the file stores them too (Q6KLinear, the same kernel, 0.82 bytes a weight),
   and a fused projection whose parts come in different formats chains them (MixedLinear); other
   layers the GGUF stores above 4 bits (Q8_0, Q5_*) and a float head become symmetric int8 groups of 32
-  there (Int8GroupLinear: Q8_0 exactly); an embedding
-  the GGUF stores in 4-bit or Q6_K blocks stays in them (GroupEmbedding), another one becomes int8
-  rows. A float checkpoint's linears are rounded to 4-bit groups. On a Xeon (AVX-512 VNNI)
-  Qwen2.5-1.5B's gate/up projection took 0.21 ms for 1 row and 0.38 ms for 8, against w8a8_int8's
-  0.41 and 0.52; a 512-token prefill ran at 201 tokens/s against w8a8_int8's 459 (oneDNN's AMX GEMM).
+  there (Int8GroupLinear: Q8_0 exactly); an embedding the GGUF stores in 4-bit or Q6_K blocks stays
+  in them (GroupEmbedding), another one becomes int8 rows. A float checkpoint's linears are rounded to
+  4-bit groups. On a Xeon (AVX-512 VNNI) Qwen2.5-1.5B's gate/up projection took 0.21 ms for 1 row and
+  0.38 ms for 8, against w8a8_int8's 0.41 and 0.52; a 512-token prefill ran at 201 tokens/s against
+  w8a8_int8's 459 (oneDNN's AMX GEMM).
 - int4: groups of 32 weights along the input, w = q * scale + min with q in 0..15 (GGUF's Q4_0, Q4_1
   and Q4_K are exactly this, engine/loader/gguf_quant.py), weight-only: torch's
   _weight_int4pack_mm_for_cpu with bf16 activations (scalar, 7-20x slower, with fp32 ones), the scale
