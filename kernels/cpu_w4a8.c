@@ -130,6 +130,21 @@ static void quantize_row(const void *x, int bf16, int K, int8_t *x8, float *dx, 
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KERNEL "avx512-vnni"
+/* s[r] += the VNNI products of vectors j0 <= j < j1 of a group with row r's activation quads, r < ROWS.
+ * Row by row, each sum waited on its previous instruction 8 times a group; interleaved, the rows' chains
+ * overlap (1.1-1.2x at 8 rows). Integer sums: the same values in any order. */
+static inline __attribute__((always_inline)) void vnni_sums(__m512i *s, const __m512i *q, int j0, int j1,
+                                                             const int8_t *x8, int64_t K, int g, const int ROWS) {
+#pragma GCC unroll 8
+    for (int j = j0; j < j1; j++)
+#pragma GCC unroll 8
+        for (int r = 0; r < ROWS; r++) {
+            int32_t quad;
+            memcpy(&quad, x8 + r * K + g * GROUP + 4 * j, 4);
+            s[r] = _mm512_dpbusd_epi32(s[r], q[j], _mm512_set1_epi32(quad));
+        }
+}
+
 /* acc[r] (16 rows of W) += rows r < ROWS of x8 (stride K) against one block of weights, group by group.
  * Inlined with BITS and ROWS constant, so that the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void block_dot(
@@ -167,8 +182,6 @@ static inline __attribute__((always_inline)) void block_dot(
                 for (int t = 0; t < 4; t++)     /* q | (at & 0x30) */
                     q[4 * c + t] = _mm512_ternarylogic_epi32(q[4 * c + t], at[t], high2, 0xf8);
             }
-        /* Row by row, each sum waited on its previous VNNI instruction 8 times a group; interleaved, the
-         * rows' chains overlap (1.1-1.2x at 8 rows). Integer sums: the same values in any order. */
         __m512i s[MR];
         if (BITS == 6) {
             const __m256i sc = _mm256_loadu_si256((const __m256i *)(ws + g * 16));
@@ -178,14 +191,7 @@ static inline __attribute__((always_inline)) void block_dot(
             for (int h = 0; h < 2; h++) {
 #pragma GCC unroll 8
                 for (int r = 0; r < ROWS; r++) s[r] = _mm512_set1_epi32(-32 * xh[r * 2 * G + 2 * g + h]);
-#pragma GCC unroll 4
-                for (int j = 4 * h; j < 4 * h + 4; j++)
-#pragma GCC unroll 8
-                    for (int r = 0; r < ROWS; r++) {
-                        int32_t quad;
-                        memcpy(&quad, x8 + r * K + g * GROUP + 4 * j, 4);
-                        s[r] = _mm512_dpbusd_epi32(s[r], q[j], _mm512_set1_epi32(quad));
-                    }
+                vnni_sums(s, q, 4 * h, 4 * h + 4, x8, K, g, ROWS);
 #pragma GCC unroll 8
                 for (int r = 0; r < ROWS; r++)
                     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(dh[h], _mm512_set1_ps(dx[r * G + g])),
@@ -208,14 +214,7 @@ static inline __attribute__((always_inline)) void block_dot(
         }
 #pragma GCC unroll 8
         for (int r = 0; r < ROWS; r++) s[r] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; j++)
-#pragma GCC unroll 8
-            for (int r = 0; r < ROWS; r++) {
-                int32_t quad;
-                memcpy(&quad, x8 + r * K + g * GROUP + 4 * j, 4);
-                s[r] = _mm512_dpbusd_epi32(s[r], q[j], _mm512_set1_epi32(quad));
-            }
+        vnni_sums(s, q, 0, 8, x8, K, g, ROWS);
 #pragma GCC unroll 8
         for (int r = 0; r < ROWS; r++) {
             const __m512 d = _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * G + g]));
