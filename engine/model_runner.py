@@ -83,10 +83,10 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
                prepack: bool = True, quantization: Optional[str] = None, draft: bool = False) -> nn.Module:
     """Build the target architecture on `device` and load its weights, quantized as `quantization`
     says (engine/models/quant.py: the decoder's linears as they are read, so the float model never
-    exists whole; a GGUF's 4-bit layers, and under w4a8 a target's Q6_K ones, from its own groups,
-    exactly); the remaining CPU linears are prepacked when there is memory for it and `prepack`
-    (engine/models/prepack.py; a compiled model packs its own). Under tensor parallelism the model is this rank's block. A `draft`
-    is quantized as quant.DRAFT_HEADS says. `model.weight_bytes` tells what it holds."""
+    exists whole; a GGUF's own blocks, 4-bit and under w4a8 Q6_K ones and the embedding, exactly);
+    the remaining CPU linears are prepacked when there is memory for it and `prepack`
+    (engine/models/prepack.py; a compiled model packs its own). Under tensor parallelism the model is
+    this rank's block. A `draft` is quantized as quant.DRAFT_HEADS says. `model.weight_bytes` tells what it holds."""
     from engine.distributed.sharding import local_config, local_groups
     from engine.loader import iter_weights
     from engine.loader.gguf_convert import gguf_groups

@@ -44,12 +44,12 @@ def empty(out_features: int, in_features: int, bits: int, k_scales: bool = False
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Uninitialised weight, scale and min tensors of a packed layer (the shapes `pack` fills)."""
     blocks, G = -(-out_features // 16), in_features // GROUP
-    weight = torch.empty(blocks, G, bits, 64, dtype=torch.uint8)
+    weight, half = torch.empty(blocks, G, bits, 64, dtype=torch.uint8), torch.float16
     if bits == 6:
-        return weight, torch.empty(blocks, G, 32, dtype=torch.int8), torch.empty(blocks, G // 8, 16, dtype=torch.float16)
+        return weight, torch.empty(blocks, G, 32, dtype=torch.int8), torch.empty(blocks, G // 8, 16, dtype=half)
     if k_scales:
-        return weight, torch.empty(blocks, G, 32, dtype=torch.uint8), torch.empty(blocks, G // 8, 32, dtype=torch.float16)
-    return weight, torch.empty(blocks, G, 16, dtype=torch.float16), torch.empty(blocks, G, 16, dtype=torch.float16)
+        return weight, torch.empty(blocks, G, 32, dtype=torch.uint8), torch.empty(blocks, G // 8, 32, dtype=half)
+    return weight, torch.empty(blocks, G, 16, dtype=half), torch.empty(blocks, G, 16, dtype=half)
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, low: Optional[torch.Tensor], bits: int = 4,
@@ -129,8 +129,9 @@ def layer(weight: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: Op
     """The C struct of a packed layer: it points into the tensors, which must outlive it unchanged."""
     if bias is not None:
         assert bias.dtype in (torch.float32, torch.bfloat16) and bias.is_contiguous()
-    return Layer(weight.shape[1] * GROUP, out_features, weight.shape[2], bias is not None and bias.dtype == torch.bfloat16,
-                 scale.dtype == torch.uint8, weight.data_ptr(), scale.data_ptr(), low.data_ptr(),
+    return Layer(weight.shape[1] * GROUP, out_features, weight.shape[2],
+                 bias is not None and bias.dtype == torch.bfloat16, scale.dtype == torch.uint8,
+                 weight.data_ptr(), scale.data_ptr(), low.data_ptr(),
                  bias.data_ptr() if bias is not None else None)
 
 
@@ -156,8 +157,8 @@ def call(layer: Layer, x: torch.Tensor, out_features: Optional[int] = None) -> t
     rc = lib.spec_w4a8_linear(ctypes.byref(layer), rows.data_ptr(), x.dtype == torch.bfloat16, rows.shape[0],
                               out.data_ptr(), torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError("w4a8_linear: out of memory" if rc == -1 else
-                           "w4a8_linear: K is not a multiple of 32 (of 256 for Q4_K and 6 bits), or not one K in a chain")
+        raise RuntimeError("w4a8_linear: out of memory" if rc == -1 else "w4a8_linear: K is not a multiple "
+                           "of 32 (of 256 for Q4_K and 6 bits), or differs within a chain")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], N)
 
 

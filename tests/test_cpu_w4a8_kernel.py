@@ -25,9 +25,11 @@ def layer(n: int, k: int, seed: int = 0, form: str = "4"):
     if form == "Q4_K":
         scale, low = (torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8) for _ in range(2))
         sup = (torch.rand(n, k // 256, 2, generator=g) * 1e-3).half()
-        return q, scale, low, sup, gguf_quant.dequantize(gguf_quant.Groups(4, gguf_quant.pack(q.numpy()), scale, low, sup))
+        groups = gguf_quant.Groups(4, gguf_quant.pack(q.numpy()), scale, low, sup)
+        return q, scale, low, sup, gguf_quant.dequantize(groups)
     # fp16 is what the kernel keeps: the reference gets the same rounded values
-    scale, low = (torch.rand(n, k // 32, generator=g) * 0.01).half().float(), (-torch.rand(n, k // 32, generator=g) * 0.05).half().float()
+    scale = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
+    low = (-torch.rand(n, k // 32, generator=g) * 0.05).half().float()
     return q, scale, low, None, (q.float().view(n, -1, 32) * scale[..., None] + low[..., None]).view(n, k)
 
 

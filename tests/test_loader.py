@@ -334,7 +334,9 @@ def write_tiny_gguf(path: Path, model, tokenizer, linear_types: dict[str, str] |
         kind = (linear_types or {}).get(base.split(".")[-1]) if suffix == "weight" else None
         if kind:
             quant = gguf.GGMLQuantizationType[kind]
-            blocks = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}.get(kind, lambda w: gguf.quants.quantize(w, quant))(data)
+            ours = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}      # types gguf-py cannot quantize
+            quantize = ours.get(kind, lambda w: gguf.quants.quantize(w, quant))
+            blocks = quantize(data)
             writer.add_tensor(f"{names.get_name(base)}.{suffix}", blocks, raw_dtype=quant)
         else:
             writer.add_tensor(f"{names.get_name(base)}.{suffix}", data)
@@ -378,7 +380,8 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     q = q.reshape(nb, 2, 4, 32)                                   # halves of 128, quarters of 32
     ql = np.concatenate([q[:, :, 0] & 15 | (q[:, :, 2] & 15) << 4, q[:, :, 1] & 15 | (q[:, :, 3] & 15) << 4], -1)
     qh = q[:, :, 0] >> 4 | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
-    blocks = np.concatenate([ql.reshape(nb, 128), qh.reshape(nb, 64), sc.view(np.uint8), d.view(np.uint8).reshape(nb, 2)], 1)
+    blocks = np.concatenate([ql.reshape(nb, 128), qh.reshape(nb, 64), sc.view(np.uint8),
+                             d.view(np.uint8).reshape(nb, 2)], 1)
     return blocks.reshape(rows, -1)
 
 

@@ -168,8 +168,8 @@ def _groups(path: Path, config, skeleton) -> dict[str, torch.Tensor]:
         kind = tensor.tensor_type.name
         if not gguf_quant.decodable(kind) or tensor.name not in names:
             continue
-        groups = gguf_quant.decode(tensor.data, kind, tensor.data.shape[0]).map(
-            lambda t: torch.from_numpy(np.ascontiguousarray(processor.process(weights=t.numpy(), name=tensor.name).weights)))
+        groups = gguf_quant.decode(tensor.data, kind, tensor.data.shape[0]).map(lambda t: torch.from_numpy(
+            np.ascontiguousarray(processor.process(weights=t.numpy(), name=tensor.name).weights)))
         hf, tag = names[tensor.name], f"q{groups.bits}"
         for suffix, t in zip(("", "_scale", "_min", "_super"), groups[1:]):
             if t is not None:
@@ -190,9 +190,9 @@ def gguf_groups(model_dir: Path):
 
     def groups(name: str):
         for bits in (4, 6):
-            if f"{name}.q{bits}" in reader.header:
-                return Groups(bits, *(reader.get(f"{name}.q{bits}{suffix}") if f"{name}.q{bits}{suffix}" in reader.header
-                                      else None for suffix in ("", "_scale", "_min", "_super")))
+            names = [f"{name}.q{bits}{suffix}" for suffix in ("", "_scale", "_min", "_super")]
+            if names[0] in reader.header:
+                return Groups(bits, *(reader.get(n) if n in reader.header else None for n in names))
         return None
 
     return groups

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 GROUP = 32
-FOUR_BITS = ("Q4_0", "Q4_1", "Q4_K")
 
 
 class Groups(NamedTuple):
@@ -44,7 +43,7 @@ class Groups(NamedTuple):
 
 
 def decodable(type_name: str) -> bool:
-    return type_name in FOUR_BITS or type_name == "Q6_K"
+    return type_name in ("Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
 
 def decode(raw: np.ndarray, type_name: str, rows: int) -> Groups:
