@@ -99,17 +99,17 @@ def test_a_chain_of_layers_in_different_forms_is_their_outputs_side_by_side(dtyp
     assert together.shape == (11, 80) and torch.equal(together, alone)
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1"])
 def test_a_linear_from_gguf_groups_holds_the_files_weights(kind, monkeypatch):
-    """Blocks as a GGUF stores them -> W4A8Linear (Q6KLinear), packed in slices of 16 rows: it holds the
-    weights gguf dequantizes, bit for bit, and its product is theirs with the activations rounded to
-    int8 groups."""
+    """Blocks as a GGUF stores them -> W4A8Linear (Q6KLinear, Int8GroupLinear), packed in slices of 16
+    rows: it holds the weights gguf dequantizes, bit for bit, and its product is theirs with the
+    activations rounded to int8 groups."""
     import gguf
 
     from tests.test_quant import gguf_blocks
 
     raw = gguf_blocks(kind, 40, 512)
-    cls = Q6KLinear if kind == "Q6_K" else W4A8Linear
+    cls = {"Q6_K": Q6KLinear, "Q4_1": W4A8Linear, "Q4_K": W4A8Linear}.get(kind, Int8GroupLinear)
     monkeypatch.setattr(cls, "SLICE", 16)
     linear = cls.from_groups(gguf_quant.decode(raw, kind, 40), None)
     weights = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])).reshape(40, 512)

@@ -35,7 +35,7 @@ def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1"])
 def test_gguf_blocks_decode_bit_exactly(kind):
     import gguf
 
@@ -43,7 +43,8 @@ def test_gguf_blocks_decode_bit_exactly(kind):
     groups = gguf_quant.decode(raw, kind, 12)
     theirs = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]))
     assert torch.equal(gguf_quant.dequantize(groups), theirs.reshape(12, 512))
-    assert groups.bits == (6 if kind == "Q6_K" else 4) and (groups.super is None) == (kind in ("Q4_0", "Q4_1"))
+    assert groups.bits == {"Q6_K": 6, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4}.get(kind, 8)
+    assert (groups.super is None) == (kind not in ("Q4_K", "Q6_K"))
 
 
 def test_int4_linear_computes_with_its_groups():
@@ -131,9 +132,9 @@ def test_speculation_is_lossless_on_quantized_weights(kind, dtype, algo, target,
 def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     """Q4_0 and Q4_1 layers (and a Q8_0 one): the converted directory keeps their groups bit-exactly
     (renamed and permuted as the dequantized copies); by default served as w4a8 (int4 without VNNI),
-    the 4-bit layers from their own groups, the Q8_0 one as w8a8_int8; with w8a8_int8 every decoder
-    layer and the head as int8, with --dtype float32 the exact dequantized reference; all agree on the
-    logits closely."""
+    every layer from its own groups (the Q8_0 one as 8-bit groups); with w8a8_int8 every decoder layer
+    and the head as int8, with --dtype float32 the exact dequantized reference; all agree on the logits
+    closely."""
     from engine import Engine
     from engine.forward_batch import make_batch
     from engine.loader import convert_gguf, iter_weights
@@ -149,9 +150,9 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     converted = convert_gguf(path)
     groups, weights = gguf_groups(converted), dict(iter_weights(converted))
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
-                 "model.layers.0.mlp.up_proj.weight"):
+                 "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"):
         assert torch.equal(gguf_quant.dequantize(groups(name)), weights[name]), name
-    assert groups("model.layers.0.mlp.down_proj.weight") is None
+    assert groups("model.layers.0.mlp.down_proj.weight").bits == 8
 
     engines = {kw: Engine(model_path=str(path), max_total_tokens=2048, **dict([kw])) for kw in
                (("quantization", "auto"), ("quantization", "w8a8_int8"), ("quantization", "w4a8"),
@@ -163,6 +164,7 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     assert type(int4_layer.self_attn.qkv_proj).__name__ == type(int4_layer.mlp.down_proj).__name__ == "Int4Linear"
     w4a8_layer = engines[("quantization", "w4a8")]._target.model.model.layers[0]
     assert type(w4a8_layer.self_attn.qkv_proj) is W4A8Linear and type(w4a8_layer.mlp.down_proj) is Int8GroupLinear
+    assert torch.equal(w4a8_layer.mlp.down_proj.dequantized(), weights["model.layers.0.mlp.down_proj.weight"])
     assert type(engines[("quantization", "w4a8")]._target.model.quant_head) is Int8GroupLinear
     assert "W8A8Linear" in kinds[("quantization", "w8a8_int8")]
     assert engines[("quantization", "w8a8_int8")]._target.model.quant_head is not None

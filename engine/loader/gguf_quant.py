@@ -5,9 +5,11 @@
 super-blocks of 256 with fp16 d and dmin, and per 32 a 6-bit scale sc and min m: w = d * sc * q - dmin * m
 (`scale_min` gives the fp32 scale and min per 32 that is, exactly).
 6 bits, Q6_K as it is: w = d * sc * (q - 32), q in 0..63, an int8 sc per 16 weights, an fp16 d per 256.
+8 bits, groups of 32 again: Q8_0 (d; w = d * q8, stored as q8 + 128 with min -128 d), Q5_0 (d;
+w = d * (q - 16)) and Q5_1 (d, m; w = d * q + m), q in 0..31 for the last two.
 `dequantize` of what `decode` gives equals gguf's own dequantization bit for bit (tests/test_quant.py).
 The engine serves these with its int4 kernels and its w4a8 kernel (engine/models/quant.py). Other
-types (Q8_0, Q5_*) are left to the dequantized checkpoint.
+types (Q5_K, Q2_K, Q3_K, IQ*) are left to the dequantized checkpoint.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ GROUP = 32
 class Groups(NamedTuple):
     """A GGUF tensor's own weights, [N, K] by rows. 4 bits: q packed two to a byte [N, K / 2] (`pack`),
     scale and min [N, K / 32]: fp32, or Q4_K's uint8 sc and m with `super` its fp16 (d, dmin)
-    [N, K / 256, 2]. 6 bits: q [N, K] in 0..63, int8 scales [N, K / 16], `super` d [N, K / 256, 1]."""
+    [N, K / 256, 2]. 6 bits: q [N, K] in 0..63, int8 scales [N, K / 16], `super` d [N, K / 256, 1].
+    8 bits: q [N, K] uint8, fp32 scale and min [N, K / 32]."""
     bits: int
     q: torch.Tensor
     scale: torch.Tensor
@@ -31,7 +34,7 @@ class Groups(NamedTuple):
     super: Optional[torch.Tensor] = None
 
     def scale_min(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """4 bits: fp32 scale and min [N, K / 32], exact (fp16 d times a 6-bit sc fits fp32)."""
+        """4 and 8 bits: fp32 scale and min [N, K / 32], exact (fp16 d times a 6-bit sc fits fp32)."""
         if self.super is None:
             return self.scale.float(), self.low.float()
         d, dmin = (self.super[..., i].float().repeat_interleave(8, 1) for i in range(2))
@@ -43,28 +46,43 @@ class Groups(NamedTuple):
 
 
 def decodable(type_name: str) -> bool:
-    return type_name in ("Q4_0", "Q4_1", "Q4_K", "Q6_K")
+    return type_name in ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1")
 
 
 def decode(raw: np.ndarray, type_name: str, rows: int) -> Groups:
     """A tensor's raw GGUF blocks (uint8, rows x bytes per row) -> its Groups."""
-    blocks = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}[type_name]
+    blocks = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24}[type_name]
     b = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, blocks)
+    sup = None
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
     if type_name == "Q6_K":
         q, scale, low, sup = _q6_k(b)
     elif type_name == "Q4_K":
         q, scale, low, sup = _q4_k(b)
+    elif type_name == "Q8_0":
+        q, scale, low = (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), d, -128 * d
+    elif type_name in ("Q5_0", "Q5_1"):
+        q, scale = _five_bits(b[:, 2:] if type_name == "Q5_0" else b[:, 4:]), d
+        low = -16 * d if type_name == "Q5_0" else b[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
     else:
-        d = b[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
         nibbles = b[:, 2:] if type_name == "Q4_0" else b[:, 4:]
         q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1)            # [blocks, 32]
-        scale, sup = d, None
+        scale = d
         low = (-8.0 * d).astype(np.float32) if type_name == "Q4_0" else \
             b[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
     q = q.reshape(rows, -1)
-    return Groups(6 if type_name == "Q6_K" else 4, torch.from_numpy(q) if type_name == "Q6_K" else pack(q),
+    bits = {"Q6_K": 6, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8}.get(type_name, 4)
+    return Groups(bits, pack(q) if bits == 4 else torch.from_numpy(q),
                   *(None if t is None else torch.from_numpy(np.ascontiguousarray(t)).reshape(rows, -1, *t.shape[2:])
                     for t in (scale, low, sup)))
+
+
+def _five_bits(b: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's 4 bytes of high bits (weight i's is bit i) and 16 of low nibbles (weights 0-15 low, 16-31
+    high) -> q [blocks, 32] in 0..31."""
+    high = (b[:, :4].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+    low = np.concatenate([b[:, 4:20] & 0x0F, b[:, 4:20] >> 4], axis=1)
+    return (low | (high.astype(np.uint8) << 4)).astype(np.uint8)
 
 
 def _q4_k(b: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -107,5 +125,5 @@ def dequantize(groups: Groups) -> torch.Tensor:
         q, d = groups.q.float() - 32, groups.super[..., 0].float().repeat_interleave(16, 1)
         return (q.view(q.shape[0], -1, 16) * (d * groups.scale.float())[..., None]).view(q.shape)
     scale, low = groups.scale_min()
-    q = unpack(groups.q).float().view(groups.q.shape[0], -1, GROUP)
+    q = (unpack(groups.q) if groups.bits == 4 else groups.q).float().view(groups.q.shape[0], -1, GROUP)
     return (q * scale[:, :, None] + low[:, :, None]).view(groups.q.shape[0], -1)

@@ -136,9 +136,14 @@ class W4A8Linear(nn.Module):
 
 
 class Int8GroupLinear(W4A8Linear):
-    """Symmetric int8 groups of 32 (Q8_0's form) x int8 activations in the same kernel: under w4a8, the
-    layers a GGUF keeps above 4 bits (Q6_K, Q8_0, ...) and the head."""
+    """8-bit groups of 32 x int8 activations in the same kernel: under w4a8, a GGUF's Q8_0, Q5_0 and Q5_1
+    layers as stored, and float weights (a head, a layer the file keeps in another type) rounded to
+    symmetric int8 groups (Q8_0's form)."""
     bits = 8
+
+    @classmethod
+    def from_groups(cls, groups: Groups, bias: Optional[nn.Parameter]) -> "Int8GroupLinear":
+        return cls(lambda r0, r1: (*groups.map(lambda t: t[r0:r1])[1:4], None), *groups.q.shape, bias)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "Int8GroupLinear":
@@ -309,10 +314,10 @@ class W8A8Linear(nn.Module):
 
 # --quantization's formats, and int8_groups: under w4a8, the linears a GGUF stores above 4 bits.
 KINDS = {"int4": Int4Linear, "w8a8_int8": W8A8Linear, "w4a8": W4A8Linear, "int8_groups": Int8GroupLinear}
-# What the linears a GGUF stores in 4-bit groups become, per kind, its Q6_K ones (a target's), and its
-# other linears (Q8_0, Q5_*, ...): with w4a8 they keep 8 bits rather than being rounded to 4.
+# What the linears a GGUF stores in 4-bit groups become, per kind; a target's Q6_K and 8-bit ones (Q8_0,
+# Q5_0, Q5_1); and its other linears (Q5_K, ...): with w4a8 they keep 8 bits rather than being rounded to 4.
 FROM_GROUPS = {"int4": Int4Linear, "w4a8": W4A8Linear}
-SIX_BITS = {"w4a8": Q6KLinear}
+WIDER_GROUPS = {"w4a8": {6: Q6KLinear, 8: Int8GroupLinear}}
 BESIDE_GROUPS = {"int4": "int4", "w4a8": "int8_groups"}
 # The head under each kind (int4 keeps a float one); the embedding is int8 rows beside a quantized head.
 HEADS = {"w8a8_int8": W8A8Linear, "w4a8": Int8GroupLinear, "int8_groups": Int8GroupLinear}
@@ -426,12 +431,12 @@ def install_gguf_groups(model: nn.Module, groups: Callable[[str], Optional[Group
                         draft: bool = False) -> set[str]:
     """Replace every decoder linear whose checkpoint parts all come as GGUF groups
     (`groups(hf name)` -> gguf_quant.Groups or None) with a `kind` layer built from them: 4-bit groups
-    as FROM_GROUPS says, and under w4a8 a target's Q6_K ones as Q6KLinear (a `draft`'s are rounded to
-    4 bits, DRAFT_HEADS says why) and a fused projection's parts of different formats chained
+    as FROM_GROUPS says, and under w4a8 a target's Q6_K and 8-bit ones as WIDER_GROUPS says (a `draft`'s
+    are rounded to 4 bits, DRAFT_HEADS says why) and a fused projection's parts of different formats chained
     (MixedLinear); likewise an untied head, and the embedding (GroupEmbedding, a tied head made from the
     same groups). Returns the checkpoint names now provided (their float copies need not be loaded)."""
     def layer_class(bits: int) -> Optional[type]:
-        return FROM_GROUPS[kind] if bits == 4 else None if draft else SIX_BITS.get(kind)
+        return FROM_GROUPS[kind] if bits == 4 else None if draft else WIDER_GROUPS.get(kind, {}).get(bits)
 
     provided: set[str] = set()
     for prefix, parent, attr in list(decoder_linears(model)):
