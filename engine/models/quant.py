@@ -13,10 +13,10 @@
   the others). Q4_0/Q4_1 scale and min kept as fp16 (0.625 bytes per weight); Q4_K's own 6-bit
   scales and mins and fp16 d and dmin per 256, as the file stores them (0.58). A target's Q6_K layers
   and head are served as the file stores them too (Q6KLinear, the same kernel, 0.82 bytes a weight),
-  and a fused projection whose parts come in different formats chains them (MixedLinear); other
-  layers the GGUF stores above 4 bits (Q8_0, Q5_*) and a float head become symmetric int8 groups of 32
-  there (Int8GroupLinear: Q8_0 exactly); an embedding the GGUF stores in 4-bit or Q6_K blocks stays
-  in them (GroupEmbedding), another one becomes int8 rows. A float checkpoint's linears are rounded to
+  and so are its Q8_0, Q5_0 and Q5_1 ones as 8-bit groups (Int8GroupLinear); a fused projection whose
+  parts come in different formats chains them (MixedLinear). Layers in other types (Q5_K, ...) and a
+  float head become symmetric int8 groups of 32 there; an embedding the GGUF stores in one of these
+  types stays in it (GroupEmbedding), another one becomes int8 rows. A float checkpoint's linears are rounded to
   4-bit groups. On a Xeon (AVX-512 VNNI) Qwen2.5-1.5B's gate/up projection took 0.21 ms for 1 row and
   0.38 ms for 8, against w8a8_int8's 0.41 and 0.52; a 512-token prefill ran at 201 tokens/s against
   w8a8_int8's 459 (oneDNN's AMX GEMM).
@@ -444,7 +444,7 @@ def install_gguf_groups(model: nn.Module, groups: Callable[[str], Optional[Group
         names = [f"{base}.{p}.weight" for p in PARTS.get(attr, (attr,))]
         parts = [groups(n) for n in names]
         if any(p is None or layer_class(p.bits) is None for p in parts):
-            continue        # a part in another format (Q8_0, Q5_*, ...): quantized from floats (BESIDE_GROUPS)
+            continue        # a part in another type (Q5_K, ...), or a draft's: quantized from floats (BESIDE_GROUPS)
         bias, formats = getattr(parent, attr).bias, {(p.bits, p.super is None) for p in parts}
         if len(formats) > 1 and kind == "w4a8":
             layer = MixedLinear([layer_class(p.bits).from_groups(p, None) for p in parts], bias)
