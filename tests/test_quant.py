@@ -252,6 +252,9 @@ def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tie, tmp_path, monk
                   speculative_draft_model_path=str(path), speculative_draft_model_quantization="w4a8")
     draft = spec._scheduler.worker.drafter.model
     assert type(draft.model.layers[1].mlp.down_proj) is W4A8Linear and type(draft.quant_head) is W4A8Linear
+    # rounded from the file's Q6_K blocks as from their float copy, which loading no longer reads
+    down = weights["model.layers.1.mlp.down_proj.weight"]
+    assert torch.equal(draft.model.layers[1].mlp.down_proj.dequantized(), W4A8Linear.quantize(down, None).dequantized())
     plain = target.generate(input_ids=[ids], sampling_params=GREEDY)
     assert spec.generate(input_ids=[ids], sampling_params=GREEDY)[0]["output_ids"] == plain[0]["output_ids"]
 

@@ -117,6 +117,13 @@ class W4A8Linear(nn.Module):
     def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "W4A8Linear":
         return cls(lambda r0, r1: (*round_to_groups(weight[r0:r1]), None), *weight.shape, bias)
 
+    @classmethod
+    def rounded(cls, groups: Groups, bias: Optional[nn.Parameter]) -> "W4A8Linear":
+        """A GGUF's wider groups (Q6_K, 8 bits) rounded to 4-bit groups slice by slice, as `quantize`
+        rounds their float copy (a draft's, DRAFT_HEADS), without reading that copy."""
+        return cls(lambda r0, r1: (*round_to_groups(dequantize(groups.map(lambda t: t[r0:r1]))), None),
+                   *groups.q.shape, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():       # the opaque op: no struct kept across traces
             return cpu_w4a8.linear(x, self.weight_packed, self.scale, self.low, self.bias, self.out_features)
@@ -432,41 +439,46 @@ def install_gguf_groups(model: nn.Module, groups: Callable[[str], Optional[Group
     """Replace every decoder linear whose checkpoint parts all come as GGUF groups
     (`groups(hf name)` -> gguf_quant.Groups or None) with a `kind` layer built from them: 4-bit groups
     as FROM_GROUPS says, and under w4a8 a target's Q6_K and 8-bit ones as WIDER_GROUPS says (a `draft`'s
-    are rounded to 4 bits, DRAFT_HEADS says why) and a fused projection's parts of different formats chained
+    rounded to 4 bits, DRAFT_HEADS says why) and a fused projection's parts of different formats chained
     (MixedLinear); likewise an untied head, and the embedding (GroupEmbedding, a tied head made from the
     same groups). Returns the checkpoint names now provided (their float copies need not be loaded)."""
-    def layer_class(bits: int) -> Optional[type]:
-        return FROM_GROUPS[kind] if bits == 4 else None if draft else WIDER_GROUPS.get(kind, {}).get(bits)
+    def builder(bits: int) -> Optional[Callable[[Groups, Optional[nn.Parameter]], nn.Module]]:
+        if bits == 4:
+            return FROM_GROUPS[kind].from_groups
+        if draft:
+            return W4A8Linear.rounded if kind == "w4a8" else None
+        wider = WIDER_GROUPS.get(kind, {}).get(bits)
+        return wider.from_groups if wider else None
 
     provided: set[str] = set()
     for prefix, parent, attr in list(decoder_linears(model)):
         base = prefix.rsplit(".", 1)[0]
         names = [f"{base}.{p}.weight" for p in PARTS.get(attr, (attr,))]
         parts = [groups(n) for n in names]
-        if any(p is None or layer_class(p.bits) is None for p in parts):
-            continue        # a part in another type (Q5_K, ...), or a draft's: quantized from floats (BESIDE_GROUPS)
+        if any(p is None or builder(p.bits) is None for p in parts):
+            continue        # a part in another type (Q5_K, ...): quantized from floats (BESIDE_GROUPS)
         bias, formats = getattr(parent, attr).bias, {(p.bits, p.super is None) for p in parts}
         if len(formats) > 1 and kind == "w4a8":
-            layer = MixedLinear([layer_class(p.bits).from_groups(p, None) for p in parts], bias)
+            layer = MixedLinear([builder(p.bits)(p, None) for p in parts], bias)
         else:
             if len(formats) > 1:        # int4: 4-bit parts with and without Q4_K's own scales, as fp32 ones
                 parts = [Groups(4, p.q, *p.scale_min()) for p in parts]
             fused = Groups(parts[0].bits, *(None if parts[0][i] is None else torch.cat([p[i] for p in parts])
                                             for i in range(1, 5)))
-            layer = layer_class(fused.bits).from_groups(fused, bias)
+            layer = builder(fused.bits)(fused, bias)
         setattr(parent, attr, layer)
         provided.update(names)
         release_freed_memory()
     vocab = kind in HEADS and hasattr(model, "quant_head")
     head = groups("lm_head.weight") if vocab and not model.tie_word_embeddings else None
-    if head is not None and layer_class(head.bits) is not None:
-        model.quant_head = layer_class(head.bits).from_groups(head, None)
+    if head is not None and builder(head.bits) is not None:
+        model.quant_head = builder(head.bits)(head, None)
         provided.add("lm_head.weight")
     embedding = groups("model.embed_tokens.weight") if vocab else None
     # A tied head is made from the same groups; where they cannot make one, both come from the floats.
-    if embedding is not None and not (model.tie_word_embeddings and layer_class(embedding.bits) is None):
+    if embedding is not None and not (model.tie_word_embeddings and builder(embedding.bits) is None):
         model.model.embed_tokens = GroupEmbedding(embedding, model.model.embed_tokens.weight.dtype)
         if model.tie_word_embeddings:
-            model.quant_head = layer_class(embedding.bits).from_groups(embedding, None)
+            model.quant_head = builder(embedding.bits)(embedding, None)
         provided.add("model.embed_tokens.weight")
     return provided
