@@ -1,9 +1,10 @@
-/* Linear layers with 4-, 6- or 8-bit weights and 8-bit activations on the CPU (kernels/cpu_w4a8.py builds
+/* Linear layers with 4-, 5-, 6- or 8-bit weights and 8-bit activations on the CPU (kernels/cpu_w4a8.py builds
  * and calls it): y = x W^T (+ bias), W [N, K] in groups of 32 weights along K, w = q * scale + min with
  * q in 0..15 (GGUF's Q4_0, Q4_1 and Q4_K blocks are this form) or in 0..255 (a symmetric int8 group,
  * Q8_0's form, stored offset by 128 with min = -128 * scale), scale and min stored as fp16, or for
  * GGUF's Q4_K as it stores them (k_scales): scale = d * sc, min = -(dmin * m), with a uint8 sc and m
- * per group and fp16 d and dmin per 256 (both products exact in fp32); or GGUF's Q6_K as it is:
+ * per group and fp16 d and dmin per 256 (both products exact in fp32; Q5_K: the same with q in 0..31);
+ * or GGUF's Q6_K as it is:
  * w = d * sc * (q - 32), q in 0..63, an int8 sc per 16 weights, an fp16 d per 256.
  *
  * Each activation row is quantized to int8 in the same groups of 32 (one scale per group, symmetric,
@@ -23,9 +24,11 @@
  * 8 vectors of 16 rows x 4 weights (byte 4 n + i of vector j is q[n][4 j + i]), the shape of one VNNI
  * instruction against 4 activation bytes broadcast. 8-bit: the 8 vectors as they are (512 bytes);
  * 4-bit: 4 chunks of 64 bytes, chunk c holding vector c in its low nibbles and vector c + 4 in its
- * high ones (256 bytes); 6-bit: those 4 chunks of the low 4 bits, then 2 chunks of the high 2 bits,
+ * high ones (256 bytes); 5-bit (Q5_K): those 4 chunks, then one of the high bits, vector j's in bit j
+ * (320 bytes); 6-bit: those 4 chunks of the low 4 bits, then 2 chunks of the high 2 bits,
  * chunk c's bits 2t, 2t + 1 those of vector 4c + t (384 bytes: 0.82 bytes a weight, as Q6_K). Scales
- * and mins: fp16 [blocks][G][16] each. Q4_K: sc and m as uint8 [blocks][G][2][16] in the scales' place,
+ * and mins: fp16 [blocks][G][16] each. Q4_K and Q5_K: sc and m as uint8 [blocks][G][2][16] in the scales'
+ * place,
  * and d and dmin as fp16 [blocks][K / 256][2][16] in the mins' (0.58 bytes a weight). 6 bits: int8
  * scales [blocks][G][2 halves][16] and d [blocks][K / 256][16].
  */
@@ -151,7 +154,7 @@ static inline __attribute__((always_inline)) void block_dot(
         const uint8_t *w, const uint16_t *ws, const uint16_t *wm, int G, const int8_t *x8, int64_t K,
         const float *dx, const float *sx, const int32_t *xh, const int BITS, const int KQ, const int ROWS,
         float *out) {
-    const __m512i low4 = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
+    const __m512i low4 = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30), high1 = _mm512_set1_epi8(0x10);
     __m512 acc[MR];
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
@@ -175,6 +178,14 @@ static inline __attribute__((always_inline)) void block_dot(
                 q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
             }
         }
+        if (BITS == 5) {                    /* the high bit: vector j's at bit j, moved to bit 4 */
+            const __m512i h = _mm512_loadu_si512((const void *)(wg + 64 * 4));
+            const __m512i at[8] = {_mm512_slli_epi16(h, 4), _mm512_slli_epi16(h, 3), _mm512_slli_epi16(h, 2),
+                                   _mm512_slli_epi16(h, 1), h, _mm512_srli_epi16(h, 1), _mm512_srli_epi16(h, 2),
+                                   _mm512_srli_epi16(h, 3)};
+            for (int j = 0; j < 8; j++)     /* q | (at & 0x10) */
+                q[j] = _mm512_ternarylogic_epi32(q[j], at[j], high1, 0xf8);
+        }
         if (BITS == 6)                      /* the high 2 bits: vector 4 c + t's at bits 2 t, moved to bits 4-5 */
             for (int c = 0; c < 2; c++) {
                 const __m512i h = _mm512_loadu_si512((const void *)(wg + 64 * (4 + c)));
@@ -186,16 +197,18 @@ static inline __attribute__((always_inline)) void block_dot(
         if (BITS == 6) {
             const __m256i sc = _mm256_loadu_si256((const __m256i *)(ws + g * 16));
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + g / 8 * 16)));
-            const __m512 dh[2] = {_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(sc))), d),
-                                  _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(sc, 1))), d)};
+            const __m512i sc_lo = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(sc));
+            const __m512i sc_hi = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(sc, 1));
+            const __m512 dh[2] = {_mm512_mul_ps(_mm512_cvtepi32_ps(sc_lo), d),
+                                  _mm512_mul_ps(_mm512_cvtepi32_ps(sc_hi), d)};
             for (int h = 0; h < 2; h++) {
 #pragma GCC unroll 8
                 for (int r = 0; r < ROWS; r++) s[r] = _mm512_set1_epi32(-32 * xh[r * 2 * G + 2 * g + h]);
                 vnni_sums(s, q, 4 * h, 4 * h + 4, x8, K, g, ROWS);
 #pragma GCC unroll 8
                 for (int r = 0; r < ROWS; r++)
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(dh[h], _mm512_set1_ps(dx[r * G + g])),
-                                             acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]),
+                                             _mm512_mul_ps(dh[h], _mm512_set1_ps(dx[r * G + g])), acc[r]);
             }
             continue;
         }
@@ -239,6 +252,9 @@ static inline __attribute__((always_inline)) void block_dot(
                 q[c][b] = BITS == 8 ? wg[64 * c + b] : wg[64 * c + b] & 0x0f;
                 q[c + 4][b] = BITS == 8 ? wg[64 * (c + 4) + b] : wg[64 * c + b] >> 4;
             }
+        if (BITS == 5)
+            for (int j = 0; j < 8; j++)
+                for (int b = 0; b < 64; b++) q[j][b] |= ((wg[64 * 4 + b] >> j) & 1) << 4;
         if (BITS == 6)
             for (int j = 0; j < 8; j++)
                 for (int b = 0; b < 64; b++) q[j][b] |= ((wg[64 * (4 + j / 4) + b] >> (2 * (j % 4))) & 3) << 4;
@@ -252,11 +268,13 @@ static inline __attribute__((always_inline)) void block_dot(
                         for (int i = 0; i < 4; i++) s[n] += (int32_t)q[j][4 * n + i] * a[4 * j + i];
                 for (int n = 0; n < NB; n++) {
                     if (BITS == 6) {
-                        const float dh = half_to_float(wm[g / 8 * 16 + n]) * (float)((const int8_t *)(ws + g * 16))[16 * h + n];
+                        const int8_t sc = ((const int8_t *)(ws + g * 16))[16 * h + n];
+                        const float dh = half_to_float(wm[g / 8 * 16 + n]) * (float)sc;
                         acc[r][n] = fmaf((float)s[n], dh * dx[r * G + g], acc[r][n]);
                     } else {
                         const uint8_t *sm = (const uint8_t *)(ws + g * 16);
-                        const float scale = KQ ? half_to_float(wm[g / 8 * 32 + n]) * (float)sm[n] : half_to_float(ws[g * 16 + n]);
+                        const float scale = KQ ? half_to_float(wm[g / 8 * 32 + n]) * (float)sm[n]
+                                               : half_to_float(ws[g * 16 + n]);
                         const float low = KQ ? -half_to_float(wm[g / 8 * 32 + 16 + n]) * (float)sm[16 + n]
                                              : half_to_float(wm[g * 16 + n]);
                         acc[r][n] = fmaf((float)s[n], scale * dx[r * G + g], acc[r][n]);
@@ -289,6 +307,7 @@ static void block_rows(const uint8_t *w, const uint16_t *ws, const uint16_t *wm,
     }
     if (bits == 8) ROWS_CASES(8, 0)
     else if (bits == 6) ROWS_CASES(6, 0)
+    else if (bits == 5) ROWS_CASES(5, 1)
     else if (kq) ROWS_CASES(4, 1)
     else ROWS_CASES(4, 0)
 #undef ROWS_CASES
@@ -331,7 +350,7 @@ static void store_block(const struct spec_w4a8_layer *L, const float *y, int row
         }
 }
 
-/* A layer (struct spec_w4a8_layer, kernels.h): `bits` (4, 6 or 8) weights (with k_scales, Q4_K's form),
+/* A layer (struct spec_w4a8_layer, kernels.h): `bits` (4, 5, 6 or 8) weights (with k_scales, Q4_K's form),
  * scales and mins as described above for N rows (padded to blocks of 16), bias [N] (fp32, or bf16 when
  * bias_bf16) or NULL, and the layers chained after it by `next`, whose rows follow its own in the output
  * (same K). Set up once per layer by the caller. */
@@ -349,7 +368,8 @@ int spec_w4a8_linear(const struct spec_w4a8_layer *L, const void *x, int bf16, i
     const int G = (int)(K / GROUP);
     int64_t N = 0, blocks = 0;
     for (const struct spec_w4a8_layer *s = L; s; s = s->next) {
-        if (s->K != K || K % GROUP != 0 || ((s->bits == 6 || s->k_scales) && G % 8 != 0)) return -2;
+        const int supers = s->bits == 6 || s->k_scales;    /* per-256 scales; 5 bits come only with Q5_K's */
+        if (s->K != K || K % GROUP != 0 || (supers && G % 8 != 0) || (s->bits == 5 && !s->k_scales)) return -2;
         N += s->N, blocks += blocks_of(s);
     }
     const size_t need = (size_t)M * K + 2 * sizeof(float) * M * G + 2 * sizeof(int32_t) * M * G;

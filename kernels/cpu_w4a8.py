@@ -1,4 +1,4 @@
-"""4-, 6- or 8-bit weight groups x 8-bit activations on the CPU: kernels/cpu_w4a8.c, built once per machine
+"""4-, 5-, 6- or 8-bit weight groups x 8-bit activations on the CPU: kernels/cpu_w4a8.c, built once per machine
 (kernels/native.py) and called through ctypes in eager mode, as the opaque op spec::w4a8_linear
 inside a compiled model. `kernel_name()` says which instructions it runs on this CPU."""
 
@@ -55,9 +55,10 @@ def empty(out_features: int, in_features: int, bits: int, k_scales: bool = False
 def pack(q: torch.Tensor, scale: torch.Tensor, low: Optional[torch.Tensor], bits: int = 4,
          sup: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [N, K] (values below 2**bits, K a multiple of 32) and scale/min [N, K / 32] -> the kernel's
-    layout (kernels/cpu_w4a8.c): uint8 [blocks, G, bits, 64] (4, 6 or 8 vectors), rows padded to blocks
-    of 16 with zeros, and scales and mins: from floats, fp16 [blocks, G, 16] each; from Q4_K's uint8 sc
-    and m with `sup` its (d, dmin) [N, K / 256, 2], uint8 [blocks, G, 32] and fp16 [blocks, K / 256, 32];
+    layout (kernels/cpu_w4a8.c): uint8 [blocks, G, bits, 64] (4, 5, 6 or 8 vectors), rows padded to
+    blocks of 16 with zeros, and scales and mins: from floats, fp16 [blocks, G, 16] each; from Q4_K's or
+    Q5_K's uint8 sc and m with `sup` its (d, dmin) [N, K / 256, 2], uint8 [blocks, G, 32] and fp16
+    [blocks, K / 256, 32];
     6 bits, from Q6_K's int8 scales [N, K / 16] and `sup` d [N, K / 256, 1] (low None), int8
     [blocks, G, 32] and fp16 [blocks, K / 256, 16]."""
     N, K = q.shape
@@ -70,6 +71,8 @@ def pack(q: torch.Tensor, scale: torch.Tensor, low: Optional[torch.Tensor], bits
     else:
         low4 = vectors & 0x0F
         packed = low4[:, :, :4] | (low4[:, :, 4:] << 4)
+    if bits == 5:                                                           # vector j's in bit j
+        packed = torch.cat([packed, sum((vectors[:, :, j:j + 1] >> 4) << j for j in range(8))], 2)
     if bits == 6:
         high = (vectors >> 4).view(vectors.shape[0], G, 2, 4, 16, 4)            # vector 4 c + t
         high = sum(high[:, :, :, t] << (2 * t) for t in range(4))
@@ -90,14 +93,16 @@ def pack(q: torch.Tensor, scale: torch.Tensor, low: Optional[torch.Tensor], bits
 
 
 def unpack(weight: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The float weights [N, K] the packed layout holds (q * scale + min; Q4_K's scale = d * sc and
-    min = -(dmin * m); 6 bits' d * scale * (q - 32)), as the kernel computes them."""
+    """The float weights [N, K] the packed layout holds (q * scale + min; Q4_K's and Q5_K's scale = d * sc
+    and min = -(dmin * m); 6 bits' d * scale * (q - 32)), as the kernel computes them."""
     B, G, bits = weight.shape[:3]
     v = weight.view(B, G, -1, 16, 4)
     if bits != 8:                                                       # split the nibbles
         v = torch.cat([v[:, :, :4] & 0x0F, v[:, :, :4] >> 4], 2)
+    high = weight.view(B, G, -1, 16, 4)[:, :, 4:]
+    if bits == 5:
+        v = v | torch.cat([((high >> j) & 1) << 4 for j in range(8)], 2)
     if bits == 6:
-        high = weight.view(B, G, -1, 16, 4)[:, :, 4:]
         v = v | torch.cat([((high[:, :, c:c + 1] >> (2 * t)) & 3) << 4 for c in range(2) for t in range(4)], 2)
     q = v.permute(0, 3, 1, 2, 4).reshape(B * 16, G, GROUP).float()
 
@@ -107,7 +112,7 @@ def unpack(weight: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, out_fea
     if bits == 6:
         step = per_row(scale, 2) * per_row(low, 1).repeat_interleave(8, 1)
         return ((q - 32).view(B * 16, G, 2, 16) * step[..., None]).view(B * 16, -1)[:out_features]
-    if scale.dtype == torch.uint8:                                      # Q4_K's
+    if scale.dtype == torch.uint8:                                      # Q4_K's and Q5_K's
         sm, d = per_row(scale, 2), per_row(low, 2).repeat_interleave(8, 1)
         step, bottom = d[..., :1] * sm[..., :1], -(d[..., 1:] * sm[..., 1:])
     else:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.loader import gguf_quant
-from engine.models.quant import Int8GroupLinear, Q6KLinear, W4A8Linear
+from engine.models.quant import Int8GroupLinear, Q5KLinear, Q6KLinear, W4A8Linear
 from spec_kernels import cpu_w4a8
 
 pytestmark = pytest.mark.skipif(cpu_w4a8.library() is None, reason="no C compiler")
@@ -15,17 +15,19 @@ pytestmark = pytest.mark.skipif(cpu_w4a8.library() is None, reason="no C compile
 
 def layer(n: int, k: int, seed: int = 0, form: str = "4"):
     """(q, scale, min, per-256 scales, the float weights they make) of a random layer in a form the kernel
-    takes: "4" or "8" bits from floats (fp16 scale and min), Q4_K's own scales, Q6_K's."""
+    takes: "4" or "8" bits from floats (fp16 scale and min), Q4_K's and Q5_K's own scales, Q6_K's."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 64 if form == "Q6_K" else 256 if form == "8" else 16, (n, k), generator=g, dtype=torch.uint8)
+    top = {"Q6_K": 64, "8": 256, "Q5_K": 32}.get(form, 16)
+    q = torch.randint(0, top, (n, k), generator=g, dtype=torch.uint8)
     if form == "Q6_K":
         scale, low = torch.randint(-128, 128, (n, k // 16), generator=g).to(torch.int8), None
         sup = (torch.rand(n, k // 256, 1, generator=g) * 1e-3).half()
         return q, scale, low, sup, gguf_quant.dequantize(gguf_quant.Groups(6, q, scale, low, sup))
-    if form == "Q4_K":
+    if form in ("Q4_K", "Q5_K"):
         scale, low = (torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8) for _ in range(2))
         sup = (torch.rand(n, k // 256, 2, generator=g) * 1e-3).half()
-        groups = gguf_quant.Groups(4, gguf_quant.pack(q.numpy()), scale, low, sup)
+        groups = gguf_quant.Groups(5, q, scale, low, sup) if form == "Q5_K" else \
+            gguf_quant.Groups(4, gguf_quant.pack(q.numpy()), scale, low, sup)
         return q, scale, low, sup, gguf_quant.dequantize(groups)
     # fp16 is what the kernel keeps: the reference gets the same rounded values
     scale = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
@@ -34,11 +36,11 @@ def layer(n: int, k: int, seed: int = 0, form: str = "4"):
 
 
 def packed(q, scale, low, sup, form: str = "4"):
-    return cpu_w4a8.pack(q, scale, low, {"8": 8, "Q6_K": 6}.get(form, 4), sup)
+    return cpu_w4a8.pack(q, scale, low, {"8": 8, "Q5_K": 5, "Q6_K": 6}.get(form, 4), sup)
 
 
 @pytest.mark.parametrize("form, n, k", [(f, n, k) for f in ("4", "8") for n, k in ((16, 32), (40, 96), (96, 576))]
-                         + [(f, n, k) for f in ("Q4_K", "Q6_K") for n, k in ((16, 256), (40, 768))])
+                         + [(f, n, k) for f in ("Q4_K", "Q5_K", "Q6_K") for n, k in ((16, 256), (40, 768))])
 @pytest.mark.parametrize("rows", [1, 5, 8, 11])                        # one pass of 8 rows, and more
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_the_reference(n, k, rows, dtype, form):
@@ -67,7 +69,7 @@ def test_bf16_results_are_the_fp32_results_rounded_as_torch_rounds(bias_dtype):
     assert torch.equal(cpu_w4a8.linear(x, *weights, bias, 40), y32.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("form", ["4", "8", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("form", ["4", "8", "Q4_K", "Q5_K", "Q6_K"])
 def test_rows_and_threads_do_not_change_a_rows_bits(form):
     weights = packed(*layer(48, 256, seed=1, form=form)[:4], form)
     x = torch.randn(19, 256)
@@ -87,7 +89,7 @@ def test_rows_and_threads_do_not_change_a_rows_bits(form):
 def test_a_chain_of_layers_in_different_forms_is_their_outputs_side_by_side(dtype):
     """Parts of a fused projection stored in different forms, chained: one call gives each part's
     columns, with its own slice of the bias, bit for bit what the part alone gives."""
-    forms, sizes = ("Q4_K", "4", "Q6_K"), (40, 16, 24)
+    forms, sizes = ("Q4_K", "4", "Q5_K", "Q6_K"), (40, 16, 8, 24)
     parts = [packed(*layer(n, 256, seed=i, form=f)[:4], f) for i, (f, n) in enumerate(zip(forms, sizes))]
     bias = torch.randn(sum(sizes)).to(dtype)
     x = torch.randn(11, 256).to(dtype)
@@ -96,12 +98,12 @@ def test_a_chain_of_layers_in_different_forms_is_their_outputs_side_by_side(dtyp
     structs = [cpu_w4a8.layer(*p, b, n) for p, b, n in zip(parts, biases, sizes)]
     together = cpu_w4a8.call(cpu_w4a8.chain(structs), x, sum(sizes))
     alone = torch.cat([cpu_w4a8.linear(x, *p, b, n) for p, b, n in zip(parts, biases, sizes)], -1)
-    assert together.shape == (11, 80) and torch.equal(together, alone)
+    assert together.shape == (11, 88) and torch.equal(together, alone)
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1"])
 def test_a_linear_from_gguf_groups_holds_the_files_weights(kind, monkeypatch):
-    """Blocks as a GGUF stores them -> W4A8Linear (Q6KLinear, Int8GroupLinear), packed in slices of 16
+    """Blocks as a GGUF stores them -> W4A8Linear (Q5KLinear, Q6KLinear, Int8GroupLinear), packed in slices of 16
     rows: it holds the weights gguf dequantizes, bit for bit, and its product is theirs with the
     activations rounded to int8 groups."""
     import gguf
@@ -109,7 +111,7 @@ def test_a_linear_from_gguf_groups_holds_the_files_weights(kind, monkeypatch):
     from tests.test_quant import gguf_blocks
 
     raw = gguf_blocks(kind, 40, 512)
-    cls = {"Q6_K": Q6KLinear, "Q4_1": W4A8Linear, "Q4_K": W4A8Linear}.get(kind, Int8GroupLinear)
+    cls = {"Q5_K": Q5KLinear, "Q6_K": Q6KLinear, "Q4_1": W4A8Linear, "Q4_K": W4A8Linear}.get(kind, Int8GroupLinear)
     monkeypatch.setattr(cls, "SLICE", 16)
     linear = cls.from_groups(gguf_quant.decode(raw, kind, 40), None)
     weights = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])).reshape(40, 512)

@@ -334,7 +334,7 @@ def write_tiny_gguf(path: Path, model, tokenizer, linear_types: dict[str, str] |
         kind = (linear_types or {}).get(base.split(".")[-1]) if suffix == "weight" else None
         if kind:
             quant = gguf.GGMLQuantizationType[kind]
-            ours = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}      # types gguf-py cannot quantize
+            ours = {"Q4_K": quantize_k, "Q5_K": lambda w: quantize_k(w, 5), "Q6_K": quantize_q6_k}  # not in gguf-py
             quantize = ours.get(kind, lambda w: gguf.quants.quantize(w, quant))
             blocks = quantize(data)
             writer.add_tensor(f"{names.get_name(base)}.{suffix}", blocks, raw_dtype=quant)
@@ -346,23 +346,25 @@ def write_tiny_gguf(path: Path, model, tokenizer, linear_types: dict[str, str] |
     writer.close()
 
 
-def quantize_q4_k(w: np.ndarray) -> np.ndarray:
-    """float [rows, K] (K a multiple of 256) -> Q4_K blocks (which gguf-py cannot write): per 32 weights
-    a step and a min (the smaller of theirs and 0) in 6-bit multiples of the 256's d and dmin. Simpler
-    than llama.cpp's search; the same format."""
-    rows, nb = w.shape[0], w.size // 256
+def quantize_k(w: np.ndarray, bits: int = 4) -> np.ndarray:
+    """float [rows, K] (K a multiple of 256) -> Q4_K or (bits 5) Q5_K blocks (which gguf-py cannot write):
+    per 32 weights a step and a min (the smaller of theirs and 0) in 6-bit multiples of the 256's d and
+    dmin. Simpler than llama.cpp's search; the same format."""
+    rows, nb, top = w.shape[0], w.size // 256, 2 ** bits - 1
     sub = w.reshape(nb, 8, 32).astype(np.float32)
-    step, floor = (sub.max(-1) - np.minimum(sub.min(-1), 0)) / 15, -np.minimum(sub.min(-1), 0)
+    step, floor = (sub.max(-1) - np.minimum(sub.min(-1), 0)) / top, -np.minimum(sub.min(-1), 0)
     d, dmin = ((t.max(-1) / 63).astype(np.float16) for t in (step, floor))
     sc, m = (np.round(t / np.where(s > 0, s, 1).astype(np.float32)[:, None]).clip(0, 63).astype(np.uint8)
              for t, s in ((step, d), (floor, dmin)))
     real_step, real_min = d.astype(np.float32)[:, None] * sc, dmin.astype(np.float32)[:, None] * m
-    q = np.round((sub + real_min[..., None]) / np.where(real_step > 0, real_step, 1)[..., None]).clip(0, 15)
-    q = q.astype(np.uint8).reshape(nb, 4, 2, 32)                # chunk c: sub-blocks 2c (low), 2c + 1 (high)
+    q = np.round((sub + real_min[..., None]) / np.where(real_step > 0, real_step, 1)[..., None]).clip(0, top)
+    q = q.astype(np.uint8)
+    high = [(q[:, j] >> 4) << j for j in range(8)] if bits == 5 else []   # Q5_K: sub-block j's in bit j
+    q = q.reshape(nb, 4, 2, 32) & 15                               # chunk c: sub-blocks 2c (low), 2c + 1 (high)
     scales = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4) << 6, m[:, :4] | (m[:, 4:] >> 4) << 6,
                              sc[:, 4:] & 15 | (m[:, 4:] & 15) << 4], 1)
     blocks = np.concatenate([d.view(np.uint8).reshape(nb, 2), dmin.view(np.uint8).reshape(nb, 2), scales,
-                             (q[:, :, 0] | q[:, :, 1] << 4).reshape(nb, 128)], 1)
+                             *([sum(high)] if high else []), (q[:, :, 0] | q[:, :, 1] << 4).reshape(nb, 128)], 1)
     return blocks.reshape(rows, -1)
 
 

@@ -26,16 +26,16 @@ def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 
     rng = np.random.default_rng(seed)
     kind_enum = gguf.GGMLQuantizationType[kind]
-    if kind not in ("Q4_K", "Q6_K"):
+    if kind not in ("Q4_K", "Q5_K", "Q6_K"):
         return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), kind_enum)
-    size, scales = {"Q4_K": (144, slice(0, 4)), "Q6_K": (210, slice(208, 210))}[kind]
+    size, scales = {"Q4_K": (144, slice(0, 4)), "Q5_K": (176, slice(0, 4)), "Q6_K": (210, slice(208, 210))}[kind]
     blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
     blocks[:, scales] = rng.uniform(0.001, 0.1, (len(blocks), blocks[:, scales].shape[1] // 2)
                                     ).astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1"])
 def test_gguf_blocks_decode_bit_exactly(kind):
     import gguf
 
@@ -43,8 +43,8 @@ def test_gguf_blocks_decode_bit_exactly(kind):
     groups = gguf_quant.decode(raw, kind, 12)
     theirs = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]))
     assert torch.equal(gguf_quant.dequantize(groups), theirs.reshape(12, 512))
-    assert groups.bits == {"Q6_K": 6, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4}.get(kind, 8)
-    assert (groups.super is None) == (kind not in ("Q4_K", "Q6_K"))
+    assert groups.bits == {"Q5_K": 5, "Q6_K": 6, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4}.get(kind, 8)
+    assert (groups.super is None) == (kind not in ("Q4_K", "Q5_K", "Q6_K"))
 
 
 def test_int4_linear_computes_with_its_groups():
@@ -193,10 +193,10 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tie, tmp_path, monkeypatch):
-    """Q4_K layers (gate/up) and embedding, Q6_K ones (down_proj, v_proj beside Q4_K q/k) and an untied
-    Q6_K head: the converted directory keeps their blocks bit-exactly; under w4a8 the target serves
-    gate/up, down_proj, the embedding and the head (a tied one from the embedding's groups) from them
-    (W4A8Linear with Q4_K's own scales, Q6KLinear, GroupEmbedding, the fused q/k/v's mixed parts
+    """Q4_K layers (gate/up) and embedding, a Q5_K one (o_proj), Q6_K ones (down_proj, v_proj beside Q4_K
+    q/k) and an untied Q6_K head: the converted directory keeps their blocks bit-exactly; under w4a8 the target serves
+    gate/up, o_proj, down_proj, the embedding and the head (a tied one from the embedding's groups) from
+    them (W4A8Linear with Q4_K's own scales, Q5KLinear, Q6KLinear, GroupEmbedding, the fused q/k/v's mixed parts
     chained in a MixedLinear: the file's weights exactly), and its logits are the float reference's
     within the activations' int8 rounding; a STANDALONE draft from the same file rounds the Q6_K ones to 4 bits and
     the output stays the target's."""
@@ -204,14 +204,14 @@ def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tie, tmp_path, monk
     from engine.forward_batch import make_batch
     from engine.loader import convert_gguf, iter_weights
     from engine.loader.gguf_convert import gguf_groups
-    from engine.models.quant import GroupEmbedding, MixedLinear, Q6KLinear
+    from engine.models.quant import GroupEmbedding, MixedLinear, Q5KLinear, Q6KLinear
 
     if cpu_w4a8.library() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
     tokenizer = gguf_tokenizer()
     model = tiny_llama(len(tokenizer), tie=tie, hidden_size=256, intermediate_size=512)   # K quants: rows of 256s
-    types = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q4_1", "gate_proj": "Q4_K",
+    types = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q5_K", "gate_proj": "Q4_K",
              "up_proj": "Q4_K", "down_proj": "Q6_K", "lm_head": "Q6_K", "embed_tokens": "Q4_K"}
     path = tmp_path / "tiny-llama.Q6_K.gguf"
     write_tiny_gguf(path, model, tokenizer, types)
@@ -226,6 +226,8 @@ def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tie, tmp_path, monk
     reference = Engine(model_path=str(path), max_total_tokens=2048, dtype="float32")
     served = target._target.model
     assert type(served.model.layers[1].mlp.down_proj) is Q6KLinear
+    o_proj = served.model.layers[1].self_attn.o_proj
+    assert type(o_proj) is Q5KLinear and torch.equal(o_proj.dequantized(), weights["model.layers.1.self_attn.o_proj.weight"])
     assert type(served.quant_head) is (W4A8Linear if tie else Q6KLinear)
     qkv = served.model.layers[0].self_attn.qkv_proj
     assert type(qkv) is MixedLinear and [type(p) for p in qkv.parts] == [W4A8Linear, W4A8Linear, Q6KLinear]

@@ -2,7 +2,7 @@
 the file's own quantized weights (gguf_groups/groups.safetensors).
 
 A GGUF is dequantized once with transformers' own GGUF reader (which also renames tensors and undoes
-llama.cpp's Q/K row permutation) into an ordinary checkpoint, and its Q4_0/Q4_1/Q4_K, Q6_K and
+llama.cpp's Q/K row permutation) into an ordinary checkpoint, and its Q4_0/Q4_1/Q4_K, Q5_K, Q6_K and
 Q8_0/Q5_0/Q5_1 tensors are also kept as they are (engine/loader/gguf_quant.py) under the same names,
 renamed and permuted the same way: the engine serves those directly on the CPU (--quantization auto),
 and the float checkpoint is the exact reference (--dtype float32). Later runs reuse the directory.
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 # In a folder of its own, so that the checkpoint's *.safetensors stay the float weights alone.
 QUANT_FILE = "gguf_groups/groups.safetensors"
 # Bumped when what a conversion writes changes: older cached directories are converted again.
-_FORMAT = 5
+_FORMAT = 6
 
 
 def converted_root() -> Path:
@@ -152,7 +152,7 @@ def _convert_into(path: Path, dtype: torch.dtype, out: Path) -> None:
 
 def _groups(path: Path, config, skeleton) -> dict[str, torch.Tensor]:
     """The file's tensors in the types gguf_quant decodes (gguf_quant.Groups) as {hf name}.q4 (packed
-    nibbles), .q6 or .q8, and .q{4,6,8}_scale, _min and _super where they have them, with the same names
+    nibbles), .q5, .q6 or .q8, and .q{4,5,6,8}_scale, _min and _super where they have them, with the same names
     and row permutation transformers gives their dequantized copies."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
@@ -189,7 +189,7 @@ def gguf_groups(model_dir: Path):
     reader = SafetensorsFile(file)
 
     def groups(name: str):
-        for bits in (4, 6, 8):
+        for bits in (4, 5, 6, 8):
             names = [f"{name}.q{bits}{suffix}" for suffix in ("", "_scale", "_min", "_super")]
             if names[0] in reader.header:
                 return Groups(bits, *(reader.get(n) if n in reader.header else None for n in names))

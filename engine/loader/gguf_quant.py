@@ -4,12 +4,13 @@
 (d, m; w = d * q + m) have this form with fp32 scale and min per 32 weights. Q4_K keeps its own:
 super-blocks of 256 with fp16 d and dmin, and per 32 a 6-bit scale sc and min m: w = d * sc * q - dmin * m
 (`scale_min` gives the fp32 scale and min per 32 that is, exactly).
+5 bits, Q5_K: Q4_K's scales and mins with q in 0..31.
 6 bits, Q6_K as it is: w = d * sc * (q - 32), q in 0..63, an int8 sc per 16 weights, an fp16 d per 256.
 8 bits, groups of 32 again: Q8_0 (d; w = d * q8, stored as q8 + 128 with min -128 d), Q5_0 (d;
 w = d * (q - 16)) and Q5_1 (d, m; w = d * q + m), q in 0..31 for the last two.
 `dequantize` of what `decode` gives equals gguf's own dequantization bit for bit (tests/test_quant.py).
 The engine serves these with its int4 kernels and its w4a8 kernel (engine/models/quant.py). Other
-types (Q5_K, Q2_K, Q3_K, IQ*) are left to the dequantized checkpoint.
+types (Q2_K, Q3_K, IQ*) are left to the dequantized checkpoint.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ GROUP = 32
 class Groups(NamedTuple):
     """A GGUF tensor's own weights, [N, K] by rows. 4 bits: q packed two to a byte [N, K / 2] (`pack`),
     scale and min [N, K / 32]: fp32, or Q4_K's uint8 sc and m with `super` its fp16 (d, dmin)
-    [N, K / 256, 2]. 6 bits: q [N, K] in 0..63, int8 scales [N, K / 16], `super` d [N, K / 256, 1].
+    [N, K / 256, 2]. 5 bits: q [N, K] in 0..31 with Q4_K's scales. 6 bits: q [N, K] in 0..63, int8
+    scales [N, K / 16], `super` d [N, K / 256, 1].
     8 bits: q [N, K] uint8, fp32 scale and min [N, K / 32]."""
     bits: int
     q: torch.Tensor
@@ -34,7 +36,7 @@ class Groups(NamedTuple):
     super: Optional[torch.Tensor] = None
 
     def scale_min(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """4 and 8 bits: fp32 scale and min [N, K / 32], exact (fp16 d times a 6-bit sc fits fp32)."""
+        """4, 5 and 8 bits: fp32 scale and min [N, K / 32], exact (fp16 d times a 6-bit sc fits fp32)."""
         if self.super is None:
             return self.scale.float(), self.low.float()
         d, dmin = (self.super[..., i].float().repeat_interleave(8, 1) for i in range(2))
@@ -46,19 +48,20 @@ class Groups(NamedTuple):
 
 
 def decodable(type_name: str) -> bool:
-    return type_name in ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1")
+    return type_name in ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1")
 
 
 def decode(raw: np.ndarray, type_name: str, rows: int) -> Groups:
     """A tensor's raw GGUF blocks (uint8, rows x bytes per row) -> its Groups."""
-    blocks = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24}[type_name]
+    blocks = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q8_0": 34, "Q5_0": 22,
+              "Q5_1": 24}[type_name]
     b = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, blocks)
     sup = None
     d = b[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
     if type_name == "Q6_K":
         q, scale, low, sup = _q6_k(b)
-    elif type_name == "Q4_K":
-        q, scale, low, sup = _q4_k(b)
+    elif type_name in ("Q4_K", "Q5_K"):
+        q, scale, low, sup = _k_quant(b, type_name == "Q5_K")
     elif type_name == "Q8_0":
         q, scale, low = (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), d, -128 * d
     elif type_name in ("Q5_0", "Q5_1"):
@@ -71,7 +74,7 @@ def decode(raw: np.ndarray, type_name: str, rows: int) -> Groups:
         low = (-8.0 * d).astype(np.float32) if type_name == "Q4_0" else \
             b[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
     q = q.reshape(rows, -1)
-    bits = {"Q6_K": 6, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8}.get(type_name, 4)
+    bits = {"Q5_K": 5, "Q6_K": 6, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8}.get(type_name, 4)
     return Groups(bits, pack(q) if bits == 4 else torch.from_numpy(q),
                   *(None if t is None else torch.from_numpy(np.ascontiguousarray(t)).reshape(rows, -1, *t.shape[2:])
                     for t in (scale, low, sup)))
@@ -85,14 +88,19 @@ def _five_bits(b: np.ndarray) -> np.ndarray:
     return (low | (high.astype(np.uint8) << 4)).astype(np.uint8)
 
 
-def _q4_k(b: np.ndarray) -> tuple[np.ndarray, ...]:
+def _k_quant(b: np.ndarray, five: bool) -> tuple[np.ndarray, ...]:
+    """Q4_K: d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles. Q5_K: the same with 32 bytes of
+    high bits before the nibbles, bit j of byte l being weight l's of sub-block j."""
     import gguf
 
     nb = b.shape[0]
     sc, mn = gguf.quants.Q4_K.get_scale_min(b[:, 4:16])                         # [nb, 8] each
     # 128 bytes: 4 chunks of 32; a chunk's low nibbles are sub-block 2c, its high nibbles 2c + 1.
-    shifted = b[:, 16:].reshape(nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    q = (shifted & 0x0F).reshape(nb, 256)
+    nibbles = b[:, 48 if five else 16:].reshape(nb, 4, 1, 32)
+    q = ((nibbles >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(nb, 256)
+    if five:
+        high = (b[:, 16:48].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+        q |= (high << 4).reshape(nb, 256)
     return q, sc.astype(np.uint8), mn.astype(np.uint8), b[:, 0:4].copy().view(np.float16).reshape(nb, 1, 2)
 
 

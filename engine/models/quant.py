@@ -11,15 +11,16 @@
   times int8 activations quantized in the same groups of 32, in our C kernel (kernels/cpu_w4a8.c:
   VNNI integer dot products, weights unpacked once for up to 8 rows, each row's result independent of
   the others). Q4_0/Q4_1 scale and min kept as fp16 (0.625 bytes per weight); Q4_K's own 6-bit
-  scales and mins and fp16 d and dmin per 256, as the file stores them (0.58). A target's Q6_K layers
-  and head are served as the file stores them too (Q6KLinear, the same kernel, 0.82 bytes a weight),
-  and so are its Q8_0, Q5_0 and Q5_1 ones as 8-bit groups (Int8GroupLinear); a fused projection whose
-  parts come in different formats chains them (MixedLinear). Layers in other types (Q5_K, ...) and a
-  float head become symmetric int8 groups of 32 there; an embedding the GGUF stores in one of these
-  types stays in it (GroupEmbedding), another one becomes int8 rows. A float checkpoint's linears are rounded to
-  4-bit groups. On a Xeon (AVX-512 VNNI) Qwen2.5-1.5B's gate/up projection took 0.21 ms for 1 row and
-  0.38 ms for 8, against w8a8_int8's 0.41 and 0.52; a 512-token prefill ran at 201 tokens/s against
-  w8a8_int8's 459 (oneDNN's AMX GEMM).
+  scales and mins and fp16 d and dmin per 256, as the file stores them (0.58). A target's Q5_K and
+  Q6_K layers and head are served as the file stores them too (Q5KLinear, Q6KLinear: the same kernel,
+  0.69 and 0.82 bytes a weight), and so are its Q8_0, Q5_0 and Q5_1 ones as 8-bit groups
+  (Int8GroupLinear); a fused projection whose parts come in different formats chains them
+  (MixedLinear). Layers in other types (Q2_K, Q3_K, IQ*) and a float head become symmetric int8
+  groups of 32 there; an embedding the GGUF stores in one of these types stays in it (GroupEmbedding),
+  another one becomes int8 rows. A float checkpoint's linears are rounded to 4-bit groups. On a Xeon
+  (AVX-512 VNNI) Qwen2.5-1.5B's gate/up projection took 0.21 ms for 1 row and 0.38 ms for 8, against
+  w8a8_int8's 0.41 and 0.52; a 512-token prefill ran at 201 tokens/s against w8a8_int8's 459 (oneDNN's
+  AMX GEMM).
 - int4: groups of 32 weights along the input, w = q * scale + min with q in 0..15 (GGUF's Q4_0, Q4_1
   and Q4_K are exactly this, engine/loader/gguf_quant.py), weight-only: torch's
   _weight_int4pack_mm_for_cpu with bf16 activations (scalar, 7-20x slower, with fp32 ones), the scale
@@ -157,20 +158,31 @@ class Int8GroupLinear(W4A8Linear):
         return cls(lambda r0, r1: (*int8_groups(weight[r0:r1]), None), *weight.shape, bias)
 
 
-class Q6KLinear(W4A8Linear):
+class _BlocksLinear(W4A8Linear):
+    """A layer in a form only a GGUF's blocks make: there is no rounding float weights into it."""
+    k_scales = False
+
+    @classmethod
+    def from_groups(cls, groups: Groups, bias: Optional[nn.Parameter]) -> "_BlocksLinear":
+        return cls(lambda r0, r1: tuple(groups.map(lambda t: t[r0:r1])[1:]), *groups.q.shape, bias, cls.k_scales)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "_BlocksLinear":
+        raise TypeError(f"{cls.__name__} holds a GGUF's own blocks; float weights are quantized by W4A8Linear "
+                        "or Int8GroupLinear")
+
+
+class Q6KLinear(_BlocksLinear):
     """GGUF's Q6_K weights as they are (6-bit q, an int8 scale per 16, fp16 d per 256: 0.82 bytes a weight)
     x int8 activations in the same kernel: under w4a8, a GGUF's Q6_K layers and head. Before, they were
     dequantized and rounded to int8 groups (1.125 bytes a weight, and not the file's weights)."""
     bits = 6
 
-    @classmethod
-    def from_groups(cls, groups: Groups, bias: Optional[nn.Parameter]) -> "Q6KLinear":
-        return cls(lambda r0, r1: tuple(groups.map(lambda t: t[r0:r1])[1:]), *groups.q.shape, bias)
 
-    @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "Q6KLinear":
-        raise TypeError("Q6KLinear holds a GGUF's Q6_K blocks; float weights are quantized by W4A8Linear or "
-                        "Int8GroupLinear")
+class Q5KLinear(_BlocksLinear):
+    """GGUF's Q5_K weights as they are (5-bit q with Q4_K's scales: 0.69 bytes a weight) x int8
+    activations in the same kernel: under w4a8, a GGUF's Q5_K layers (Q5_K_M files) and head."""
+    bits, k_scales = 5, True
 
 
 class MixedLinear(nn.Module):
@@ -321,10 +333,10 @@ class W8A8Linear(nn.Module):
 
 # --quantization's formats, and int8_groups: under w4a8, the linears a GGUF stores above 4 bits.
 KINDS = {"int4": Int4Linear, "w8a8_int8": W8A8Linear, "w4a8": W4A8Linear, "int8_groups": Int8GroupLinear}
-# What the linears a GGUF stores in 4-bit groups become, per kind; a target's Q6_K and 8-bit ones (Q8_0,
-# Q5_0, Q5_1); and its other linears (Q5_K, ...): with w4a8 they keep 8 bits rather than being rounded to 4.
+# What the linears a GGUF stores in 4-bit groups become, per kind; a target's Q5_K, Q6_K and 8-bit ones
+# (Q8_0, Q5_0, Q5_1); and its other linears (Q3_K, ...): with w4a8 they keep 8 bits rather than being rounded to 4.
 FROM_GROUPS = {"int4": Int4Linear, "w4a8": W4A8Linear}
-WIDER_GROUPS = {"w4a8": {6: Q6KLinear, 8: Int8GroupLinear}}
+WIDER_GROUPS = {"w4a8": {5: Q5KLinear, 6: Q6KLinear, 8: Int8GroupLinear}}
 BESIDE_GROUPS = {"int4": "int4", "w4a8": "int8_groups"}
 # The head under each kind (int4 keeps a float one); the embedding is int8 rows beside a quantized head.
 HEADS = {"w8a8_int8": W8A8Linear, "w4a8": Int8GroupLinear, "int8_groups": Int8GroupLinear}
@@ -438,7 +450,7 @@ def install_gguf_groups(model: nn.Module, groups: Callable[[str], Optional[Group
                         draft: bool = False) -> set[str]:
     """Replace every decoder linear whose checkpoint parts all come as GGUF groups
     (`groups(hf name)` -> gguf_quant.Groups or None) with a `kind` layer built from them: 4-bit groups
-    as FROM_GROUPS says, and under w4a8 a target's Q6_K and 8-bit ones as WIDER_GROUPS says (a `draft`'s
+    as FROM_GROUPS says, and under w4a8 a target's wider ones as WIDER_GROUPS says (a `draft`'s
     rounded to 4 bits, DRAFT_HEADS says why) and a fused projection's parts of different formats chained
     (MixedLinear); likewise an untied head, and the embedding (GroupEmbedding, a tied head made from the
     same groups). Returns the checkpoint names now provided (their float copies need not be loaded)."""
@@ -456,7 +468,7 @@ def install_gguf_groups(model: nn.Module, groups: Callable[[str], Optional[Group
         names = [f"{base}.{p}.weight" for p in PARTS.get(attr, (attr,))]
         parts = [groups(n) for n in names]
         if any(p is None or builder(p.bits) is None for p in parts):
-            continue        # a part in another type (Q5_K, ...): quantized from floats (BESIDE_GROUPS)
+            continue        # a part in another type (Q3_K, ...): quantized from floats (BESIDE_GROUPS)
         bias, formats = getattr(parent, attr).bias, {(p.bits, p.super is None) for p in parts}
         if len(formats) > 1 and kind == "w4a8":
             layer = MixedLinear([builder(p.bits)(p, None) for p in parts], bias)
