@@ -201,14 +201,21 @@ static inline __attribute__((always_inline)) void block_dot(
             const __m512i sc_hi = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(sc, 1));
             const __m512 dh[2] = {_mm512_mul_ps(_mm512_cvtepi32_ps(sc_lo), d),
                                   _mm512_mul_ps(_mm512_cvtepi32_ps(sc_hi), d)};
-            for (int h = 0; h < 2; h++) {
+            /* Both halves' sums first, then their float steps: folded half by half, a row's second sum
+             * waited on its first's float step (8 rows: 35 -> 29 us on a 1024x1536 layer from cache). */
+            __m512i s_hi[MR];
 #pragma GCC unroll 8
-                for (int r = 0; r < ROWS; r++) s[r] = _mm512_set1_epi32(-32 * xh[r * 2 * G + 2 * g + h]);
-                vnni_sums(s, q, 4 * h, 4 * h + 4, x8, K, g, ROWS);
+            for (int r = 0; r < ROWS; r++) {
+                s[r] = _mm512_set1_epi32(-32 * xh[r * 2 * G + 2 * g]);
+                s_hi[r] = _mm512_set1_epi32(-32 * xh[r * 2 * G + 2 * g + 1]);
+            }
+            vnni_sums(s, q, 0, 4, x8, K, g, ROWS);
+            vnni_sums(s_hi, q, 4, 8, x8, K, g, ROWS);
 #pragma GCC unroll 8
-                for (int r = 0; r < ROWS; r++)
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]),
-                                             _mm512_mul_ps(dh[h], _mm512_set1_ps(dx[r * G + g])), acc[r]);
+            for (int r = 0; r < ROWS; r++) {
+                const __m512 dxr = _mm512_set1_ps(dx[r * G + g]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(dh[0], dxr), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_hi[r]), _mm512_mul_ps(dh[1], dxr), acc[r]);
             }
             continue;
         }
