@@ -369,7 +369,7 @@ static _Thread_local size_t scratch_bytes;
 static int64_t blocks_of(const struct spec_w4a8_layer *L) { return (L->N + NB - 1) / NB; }
 
 /* x [M, K] (fp32, or bf16 when bf16) -> out [M, N] in x's dtype (N: the chain's rows). Returns 0, -1 when
- * out of memory, -2 when K is not a multiple of 32 (of 256 for Q4_K and 6 bits) or differs in the chain. */
+ * out of memory, -2 when K is not a multiple of 32 (of 256 for the K types) or differs in the chain. */
 int spec_w4a8_linear(const struct spec_w4a8_layer *L, const void *x, int bf16, int64_t M, void *out, int threads) {
     const int64_t K = L->K;
     const int G = (int)(K / GROUP);

@@ -163,7 +163,7 @@ def call(layer: Layer, x: torch.Tensor, out_features: Optional[int] = None) -> t
                               out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError("w4a8_linear: out of memory" if rc == -1 else "w4a8_linear: K is not a multiple "
-                           "of 32 (of 256 for Q4_K and 6 bits), or differs within a chain")
+                           "of 32 (of 256 for the K types), or differs within a chain")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], N)
 
 
