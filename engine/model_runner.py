@@ -53,7 +53,7 @@ _W8A8_MIN_WEIGHTS = 2_000_000
 
 def resolve_quantization(name: str, model_dir, device: str, dtype: str, config=None) -> Optional[str]:
     """What --quantization (or the draft's) means for this model: a kind of engine/models/quant.py, or
-    None. auto: a GGUF (its converted directory keeps its 4- and 6-bit groups) on the CPU, unless float32 is
+    None. auto: a GGUF (its converted directory keeps the file's own blocks) on the CPU, unless float32 is
     asked for: w4a8 where its kernel runs on VNNI, else the format that decodes it faster (see
     _W8A8_MIN_WEIGHTS)."""
     from engine.loader.gguf_convert import gguf_groups
@@ -83,7 +83,7 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
                prepack: bool = True, quantization: Optional[str] = None, draft: bool = False) -> nn.Module:
     """Build the target architecture on `device` and load its weights, quantized as `quantization`
     says (engine/models/quant.py: the decoder's linears as they are read, so the float model never
-    exists whole; a GGUF's own blocks, 4-bit and under w4a8 Q6_K ones and the embedding, exactly);
+    exists whole; a GGUF's own blocks as quant.install_gguf_groups says, exactly);
     the remaining CPU linears are prepacked when there is memory for it and `prepack`
     (engine/models/prepack.py; a compiled model packs its own). Under tensor parallelism the model is
     this rank's block. A `draft` is quantized as quant.DRAFT_HEADS says. `model.weight_bytes` tells what it holds."""

@@ -122,7 +122,7 @@ def unpack(weight: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, out_fea
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
            bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
-    """x [..., K] (fp32 or bf16) times packed weights (`pack`, 4, 6 or 8 bits) of `out_features` rows, plus
+    """x [..., K] (fp32 or bf16) times packed weights (`pack`, 4, 5, 6 or 8 bits) of `out_features` rows, plus
     bias (fp32, bf16 or None; added in fp32 before the result is rounded to x's dtype): [..., N]."""
     if torch.compiler.is_compiling():
         return torch.ops.spec.w4a8_linear(x, weight, scale, low, bias, out_features)

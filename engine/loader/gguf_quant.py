@@ -35,6 +35,11 @@ class Groups(NamedTuple):
     low: Optional[torch.Tensor]
     super: Optional[torch.Tensor] = None
 
+    @property
+    def columns(self) -> int:
+        """K: the weights a row holds."""
+        return self.q.shape[1] * (2 if self.bits == 4 else 1)
+
     def scale_min(self) -> tuple[torch.Tensor, torch.Tensor]:
         """4, 5 and 8 bits: fp32 scale and min [N, K / 32], exact (fp16 d times a 6-bit sc fits fp32)."""
         if self.super is None:

@@ -90,8 +90,8 @@ class W4A8Linear(nn.Module):
     def __init__(self, groups: Callable[[int, int], tuple], out_features: int, in_features: int,
                  bias: Optional[nn.Parameter], k_scales: bool = False):
         """groups(r0, r1) -> (q, scale, min, per-256 scales or None) of rows r0:r1 (q below 2**bits, scale
-        and min per group of 32; with k_scales Q4_K's own, and for 6 bits Q6_K's: cpu_w4a8.pack), packed
-        into the kernel's layout slice by slice."""
+        and min per group of 32; with k_scales Q4_K's or Q5_K's own, for 6 bits Q6_K's: cpu_w4a8.pack),
+        packed into the kernel's layout slice by slice."""
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
         weight, scale, low = cpu_w4a8.empty(out_features, in_features, self.bits, k_scales)
@@ -107,12 +107,14 @@ class W4A8Linear(nn.Module):
 
     @classmethod
     def from_groups(cls, groups: Groups, bias: Optional[nn.Parameter]) -> "W4A8Linear":
-        """A GGUF's 4-bit groups (gguf_quant.Groups) as they are: Q4_K's with its own scales."""
+        """A GGUF's groups of this class's width (gguf_quant.Groups) as they are: Q4_K's and Q5_K's with
+        their own scales (per-256 d and dmin)."""
         def rows(r0: int, r1: int) -> tuple:
             part = groups.map(lambda t: t[r0:r1])
-            return unpack(part.q), part.scale, part.low, part.super
+            return unpack(part.q) if part.bits == 4 else part.q, part.scale, part.low, part.super
 
-        return cls(rows, groups.q.shape[0], groups.q.shape[1] * 2, bias, k_scales=groups.super is not None)
+        k_scales = groups.super is not None and groups.super.shape[-1] == 2
+        return cls(rows, groups.q.shape[0], groups.columns, bias, k_scales)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "W4A8Linear":
@@ -123,7 +125,7 @@ class W4A8Linear(nn.Module):
         """A GGUF's wider groups (Q6_K, 8 bits) rounded to 4-bit groups slice by slice, as `quantize`
         rounds their float copy (a draft's, DRAFT_HEADS), without reading that copy."""
         return cls(lambda r0, r1: (*round_to_groups(dequantize(groups.map(lambda t: t[r0:r1]))), None),
-                   *groups.q.shape, bias)
+                   groups.q.shape[0], groups.columns, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():       # the opaque op: no struct kept across traces
@@ -150,21 +152,13 @@ class Int8GroupLinear(W4A8Linear):
     bits = 8
 
     @classmethod
-    def from_groups(cls, groups: Groups, bias: Optional[nn.Parameter]) -> "Int8GroupLinear":
-        return cls(lambda r0, r1: (*groups.map(lambda t: t[r0:r1])[1:4], None), *groups.q.shape, bias)
-
-    @classmethod
     def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "Int8GroupLinear":
         return cls(lambda r0, r1: (*int8_groups(weight[r0:r1]), None), *weight.shape, bias)
 
 
 class _BlocksLinear(W4A8Linear):
-    """A layer in a form only a GGUF's blocks make: there is no rounding float weights into it."""
-    k_scales = False
-
-    @classmethod
-    def from_groups(cls, groups: Groups, bias: Optional[nn.Parameter]) -> "_BlocksLinear":
-        return cls(lambda r0, r1: tuple(groups.map(lambda t: t[r0:r1])[1:]), *groups.q.shape, bias, cls.k_scales)
+    """A layer in a form only a GGUF's blocks make (`from_groups`): there is no rounding float weights
+    into it."""
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: Optional[nn.Parameter]) -> "_BlocksLinear":
@@ -182,7 +176,7 @@ class Q6KLinear(_BlocksLinear):
 class Q5KLinear(_BlocksLinear):
     """GGUF's Q5_K weights as they are (5-bit q with Q4_K's scales: 0.69 bytes a weight) x int8
     activations in the same kernel: under w4a8, a GGUF's Q5_K layers (Q5_K_M files) and head."""
-    bits, k_scales = 5, True
+    bits = 5
 
 
 class MixedLinear(nn.Module):
@@ -196,7 +190,7 @@ class MixedLinear(nn.Module):
         self.parts = nn.ModuleList(parts)
         self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
         self.bias = bias
-        self._chain: Optional[list[cpu_w4a8.Layer]] = None
+        self._chain: Optional[list[cpu_w4a8.Layer]] = None     # the parts' structs, linked in order
 
     def _bias_slices(self) -> list[Optional[torch.Tensor]]:
         ends = torch.tensor([p.out_features for p in self.parts]).cumsum(0).tolist()
@@ -215,7 +209,8 @@ class MixedLinear(nn.Module):
                 self.bias is not None and self._chain[0].bias != self.bias.data_ptr()):
             self._chain = [cpu_w4a8.layer(p.weight_packed, p.scale, p.low, b, p.out_features)
                            for p, b in zip(self.parts, self._bias_slices())]
-        return cpu_w4a8.chain(self._chain)
+            cpu_w4a8.chain(self._chain)
+        return self._chain[0]
 
     def dequantized(self) -> torch.Tensor:
         return torch.cat([p.dequantized() for p in self.parts])
@@ -280,8 +275,7 @@ class GroupEmbedding(nn.Module):
     def __init__(self, groups: Groups, dtype: torch.dtype):
         super().__init__()
         self.bits, self.dtype = groups.bits, dtype
-        self.num_embeddings = groups.q.shape[0]
-        self.embedding_dim = groups.q.shape[1] * (2 if groups.bits == 4 else 1)
+        self.num_embeddings, self.embedding_dim = groups.q.shape[0], groups.columns
         for name, t in zip(Groups._fields[1:], groups[1:]):
             self.register_buffer(name, t, persistent=False)
 
@@ -331,7 +325,7 @@ class W8A8Linear(nn.Module):
         return (rows / 127).t().contiguous()
 
 
-# --quantization's formats, and int8_groups: under w4a8, the linears a GGUF stores above 4 bits.
+# --quantization's formats, and int8_groups: under w4a8, float linears kept in 8 bits.
 KINDS = {"int4": Int4Linear, "w8a8_int8": W8A8Linear, "w4a8": W4A8Linear, "int8_groups": Int8GroupLinear}
 # What the linears a GGUF stores in 4-bit groups become, per kind; a target's Q5_K, Q6_K and 8-bit ones
 # (Q8_0, Q5_0, Q5_1); and its other linears (Q3_K, ...): with w4a8 they keep 8 bits rather than being rounded to 4.
@@ -414,12 +408,12 @@ def _vocab_sinks(model: nn.Module, head: type) -> dict[str, Callable[[torch.Tens
         sinks["model.embed_tokens.weight"] = embedding
     if not model.tie_word_embeddings:
         del model.lm_head
-    if not model.tie_word_embeddings and model.quant_head is None:      # else made from a GGUF's own groups
-        def untied_head(weight: torch.Tensor) -> None:
-            model.quant_head = head.quantize(weight, None)
-            release_freed_memory()
+        if model.quant_head is None:        # else made from a GGUF's own groups
+            def untied_head(weight: torch.Tensor) -> None:
+                model.quant_head = head.quantize(weight, None)
+                release_freed_memory()
 
-        sinks["lm_head.weight"] = untied_head
+            sinks["lm_head.weight"] = untied_head
     return sinks
 
 
