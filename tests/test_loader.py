@@ -49,12 +49,13 @@ def gguf_tokenizer():
     return tok
 
 
-def tiny_llama(vocab_size: int, tie: bool = False, hidden_size: int = 64, intermediate_size: int = 128):
+def tiny_llama(vocab_size: int, tie: bool = False, hidden_size: int = 64, intermediate_size: int = 128,
+               layers: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     # 4 query heads on 2 KV heads, so the GGUF test exercises llama.cpp's Q/K permutation with GQA.
-    config = LlamaConfig(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2,
+    config = LlamaConfig(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab_size,
                          max_position_embeddings=128, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1)
     return LlamaForCausalLM(config).eval()
@@ -127,6 +128,33 @@ def test_dir_without_config_or_weights(model_dir):
     (empty / "config.json").write_text("{}")
     with pytest.raises(ModelLoadError, match="holds no weights"):
         resolve_model_path(str(empty))
+
+
+def test_safetensors_written_tensor_by_tensor_read_back_by_both_readers(tmp_path):
+    from safetensors import safe_open
+
+    from engine.loader.weights import SafetensorsFile, SafetensorsWriter
+
+    tensors = {"model.a": torch.randn(3, 5), "b": torch.randn(4, 2).bfloat16(), "c": torch.arange(6, dtype=torch.int8),
+               "empty": torch.empty(0, 7), "scalar": torch.tensor(3.0, dtype=torch.float16),
+               "transposed": torch.randn(6, 4).t(), "u": torch.arange(10, dtype=torch.uint8).view(2, 5)}
+    file = tmp_path / "sub" / "x.safetensors"
+    with SafetensorsWriter(file, len(tensors), max(map(len, tensors))) as writer:
+        for name, tensor in tensors.items():
+            writer.add(name, tensor)
+    ours = SafetensorsFile(file)
+    with safe_open(str(file), "pt") as theirs:
+        assert sorted(theirs.keys()) == sorted(tensors) and theirs.metadata() == {"format": "pt"}
+        for name, tensor in tensors.items():
+            for got in (theirs.get_tensor(name), ours.get(name)):
+                assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+
+    SafetensorsWriter(tmp_path / "none.safetensors", 1, 1).close()
+    assert not (tmp_path / "none.safetensors").exists()     # a writer given nothing leaves no file
+    with pytest.raises(ValueError, match="overflow"):
+        with SafetensorsWriter(tmp_path / "small.safetensors", 1, 1) as writer:
+            for i in range(3):
+                writer.add(f"a long name number {i}", torch.zeros(1))
 
 
 def test_truncated_safetensors_is_named(model_dir):
@@ -438,6 +466,44 @@ def test_tied_gguf_has_no_lm_head(tmp_path, tokenizer):
     converted = convert_gguf(path)
     assert load_config(converted).tie_word_embeddings is True
     assert_same_weights(dict(iter_weights(converted)), expected_weights(tied))
+
+
+def test_gguf_conversion_holds_one_tensor_at_a_time(tmp_path, tokenizer, monkeypatch):
+    """Tensors are dequantized and written one by one: the conversion's peak is a few tensors, not the
+    model (whose fp32 copy is 6 GB for a 1.5B model)."""
+    import tracemalloc
+
+    from engine.loader import gguf_convert
+
+    deep = tiny_llama(len(tokenizer), hidden_size=256, intermediate_size=1024, layers=12)  # 47 MB in fp32
+    path = tmp_path / "deep.gguf"
+    write_tiny_gguf(path, deep, tokenizer)
+    write, peaks = gguf_convert._write_tensors, []
+
+    def traced(*args):
+        tracemalloc.start()     # numpy reports its arrays to tracemalloc
+        try:
+            return write(*args)
+        finally:
+            peaks.append(tracemalloc.get_traced_memory()[1])
+            tracemalloc.stop()
+
+    monkeypatch.setattr(gguf_convert, "_write_tensors", traced)
+    assert_same_weights(dict(iter_weights(convert_gguf(path))), expected_weights(deep))
+    model_bytes = sum(p.numel() * 4 for p in deep.parameters())
+    assert peaks[0] < model_bytes / 4, (peaks, model_bytes)
+
+
+def test_a_full_disk_during_conversion_says_where_and_what_to_do(tiny_gguf, monkeypatch):
+    from engine.loader.weights import SafetensorsWriter
+
+    def full(self, name, tensor):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(SafetensorsWriter, "add", full)
+    with pytest.raises(ModelLoadError, match="No space left on device.*SPEC_CACHE_DIR"):
+        convert_gguf(tiny_gguf)
+    assert not list((Path(os.environ["SPEC_CACHE_DIR"]) / "converted").iterdir())  # nothing half-written kept
 
 
 @pytest.mark.parametrize("damage", ["random", "truncated-header", "truncated-data", "empty"])

@@ -1,11 +1,12 @@
 """GGUF file -> cached Hugging Face directory (config.json, model.safetensors, tokenizer files), plus
 the file's own quantized weights (gguf_groups/groups.safetensors).
 
-A GGUF is dequantized once with transformers' own GGUF reader (which also renames tensors and undoes
-llama.cpp's Q/K row permutation) into an ordinary checkpoint, and its Q4_0/Q4_1/Q4_K, Q5_K, Q6_K and
-Q8_0/Q5_0/Q5_1 tensors are also kept as they are (engine/loader/gguf_quant.py) under the same names,
-renamed and permuted the same way: the engine serves those directly on the CPU (--quantization auto),
-and the float checkpoint is the exact reference (--dtype float32). Later runs reuse the directory.
+A GGUF is dequantized once, tensor by tensor, with the pieces of transformers' own GGUF reader
+(which rename tensors and undo llama.cpp's Q/K row permutation) into an ordinary checkpoint, and its
+Q4_0/Q4_1/Q4_K, Q5_K, Q6_K and Q8_0/Q5_0/Q5_1 tensors are also kept as they are
+(engine/loader/gguf_quant.py) under the same names, renamed and permuted the same way: the engine
+serves those directly on the CPU (--quantization auto), and the float checkpoint is the exact
+reference (--dtype float32). Later runs reuse the directory.
 transformers and gguf are imported inside functions: importing them takes seconds, which commands that
 never convert should not pay.
 """
@@ -116,9 +117,7 @@ def _stored_dtype(path: Path) -> torch.dtype:
 
 
 def _convert_into(path: Path, dtype: torch.dtype, out: Path) -> None:
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     folder, name = str(path.parent), path.name
     try:
@@ -126,54 +125,79 @@ def _convert_into(path: Path, dtype: torch.dtype, out: Path) -> None:
         # A weightless model on the meta device: transformers maps GGUF tensor names onto its names.
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
-        tensors = load_gguf_checkpoint(
-            str(path), return_tensors=True, model_to_load=skeleton, torch_dtype=dtype)["tensors"]
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        written = _write_tensors(path, config, skeleton, dtype, out)
+    except OSError as e:    # the file was read whole before (_stored_dtype): this is the writing side
+        raise ModelLoadError(
+            f"Cannot write the converted {path.name} under {out.parent} ({e}). It needs about 4 bytes per weight "
+            f"(~7 GB for a 1.5B model): free space there or set SPEC_CACHE_DIR to a folder with room.") from e
     except Exception as e:  # unsupported architecture or tokenizer, odd metadata: all about the file
         raise ModelLoadError(
             f"transformers cannot convert {path}: {e}. Pass a Hugging Face directory of the model instead.") from e
     # named_parameters() lists tied weights once, so a tied lm_head is not reported missing.
-    missing = sorted(set(dict(skeleton.named_parameters())) - set(tensors))
+    missing = sorted(set(dict(skeleton.named_parameters())) - written)
     if missing:
         raise ModelLoadError(
             f"{path} lacks tensors the {config.model_type} model needs: {', '.join(missing[:5])}"
             f"{' ...' if len(missing) > 5 else ''}. Pass a Hugging Face directory of the model instead.")
-
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    groups = _groups(path, config, skeleton)
-    if groups:
-        (out / QUANT_FILE).parent.mkdir()
-        save_file(groups, str(out / QUANT_FILE), metadata={"format": "pt"})
     config.dtype = dtype  # the stored dtype, which the engine's dtype=auto reads
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)  # includes the GGUF's chat template, if it has one
 
 
-def _groups(path: Path, config, skeleton) -> dict[str, torch.Tensor]:
-    """The file's tensors in the types gguf_quant decodes (gguf_quant.Groups) as {hf name}.q4 (packed
-    nibbles), .q5, .q6 or .q8, and .q{4,5,6,8}_scale, _min and _super where they have them, with the same names
-    and row permutation transformers gives their dequantized copies."""
+def _write_tensors(path: Path, config, skeleton, dtype: torch.dtype, out: Path) -> set[str]:
+    """Write the file's tensors, dequantized to `dtype`, as out/model.safetensors, and those in the types
+    gguf_quant decodes (gguf_quant.Groups) also as they are stored, as out/QUANT_FILE: {hf name}.q4
+    (packed nibbles), .q5, .q6 or .q8, and .q{4,5,6,8}_scale, _min and _super where they have them.
+    Both get transformers' names and row permutation (as its load_gguf_checkpoint gives them), one
+    tensor at a time: peak memory is one tensor, not the model (10 GiB for a 1.5B model in fp32).
+    Returns the names written to model.safetensors."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     from engine.loader import gguf_quant
+    from engine.loader.weights import SafetensorsWriter
 
     reader = gguf.GGUFReader(path)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     names = get_gguf_hf_weights_map(skeleton, processor)
-    out: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        kind = tensor.tensor_type.name
-        if not gguf_quant.decodable(kind) or tensor.name not in names:
-            continue
-        groups = gguf_quant.decode(tensor.data, kind, tensor.data.shape[0]).map(lambda t: torch.from_numpy(
-            np.ascontiguousarray(processor.process(weights=t.numpy(), name=tensor.name).weights)))
-        hf, tag = names[tensor.name], f"q{groups.bits}"
-        for suffix, t in zip(("", "_scale", "_min", "_super"), groups[1:]):
-            if t is not None:
-                out[f"{hf}.{tag}{suffix}"] = t
+    context = {"tensor_key_mapping": names, "parsed_parameters": {"config": config.to_dict(), "tensors": {}}}
+    longest, count = max(map(len, names.values()), default=0) + len(".q8_super"), len(reader.tensors)
+    with SafetensorsWriter(out / "model.safetensors", count, longest) as floats, \
+            SafetensorsWriter(out / QUANT_FILE, 4 * count, longest) as stored:
+        for tensor in reader.tensors:
+            result = processor.process(weights=_dequantize(tensor), name=tensor.name, **context)
+            if result.name not in names:
+                continue
+            hf = names[result.name]
+            floats.add(hf, torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype))
+            kind = tensor.tensor_type.name
+            if not gguf_quant.decodable(kind):
+                continue
+            groups = gguf_quant.decode(tensor.data, kind, tensor.data.shape[0]).map(lambda t: torch.from_numpy(
+                np.ascontiguousarray(processor.process(weights=t.numpy(), name=tensor.name, **context).weights)))
+            for suffix, t in zip(("", "_scale", "_min", "_super"), groups[1:]):
+                if t is not None:
+                    stored.add(f"{hf}.q{groups.bits}{suffix}", t)
+    return set(floats.header)
+
+
+def _dequantize(tensor) -> np.ndarray:
+    """gguf.dequantize into an array of its own (F32 comes back as a view of the file), 64 MiB of output
+    at a time: its temporaries are several times what it returns, 3 GiB at once for a 150k-token
+    embedding."""
+    import gguf
+
+    data = tensor.data
+    if data.ndim < 2:
+        return np.array(gguf.dequantize(data, tensor.tensor_type))
+    first = gguf.dequantize(data[:1], tensor.tensor_type)
+    out = np.empty((data.shape[0], *first.shape[1:]), first.dtype)
+    step = max(1, (64 << 20) // max(1, first.nbytes))
+    for row in range(0, len(out), step):
+        out[row:row + step] = gguf.dequantize(data[row:row + step], tensor.tensor_type)
     return out
 
 

@@ -99,6 +99,48 @@ class SafetensorsFile:
         return (torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)).view(meta["shape"])
 
 
+_DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+
+
+class SafetensorsWriter:
+    """A safetensors file written one tensor at a time, so that a conversion holds one tensor, not the
+    model. The header is known only at the end; it goes into room reserved before the data, padded
+    with spaces (the format allows it). `entries` and `longest_name` bound what the header will hold.
+    The file is created on the first tensor: a writer given none leaves no file."""
+
+    def __init__(self, file: Path, entries: int, longest_name: int):
+        self.file, self.header, self._out, self._end = Path(file), {}, None, 0
+        # One entry: "name":{"dtype":"BF16","shape":[4 numbers],"data_offsets":[2 numbers]}, 20 digits a number.
+        self._room = -(-(entries * (longest_name + 180) + 64) // 8) * 8
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self._out is None:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            self._out = open(self.file, "wb")
+            self._out.seek(8 + self._room)
+        data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._out.write(data)
+        self.header[name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+                             "data_offsets": [self._end, self._end + data.nbytes]}
+        self._end += data.nbytes
+
+    def close(self) -> None:
+        if self._out is None:
+            return
+        with self._out:
+            header = json.dumps({"__metadata__": {"format": "pt"}, **self.header}, separators=(",", ":")).encode()
+            if len(header) > self._room:
+                raise ValueError(f"{self.file}: {len(self.header)} tensors overflow the header's reserved room")
+            self._out.seek(0)
+            self._out.write(self._room.to_bytes(8, "little") + header.ljust(self._room))
+
+    def __enter__(self) -> "SafetensorsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def _iter_safetensors(file: Path, select: Optional[Callable[[str], bool]]) -> Iterator[tuple[str, torch.Tensor]]:
     reader = SafetensorsFile(file)
     for name in reader.names():
