@@ -36,7 +36,8 @@ Prompts = Annotated[Optional[list[str]], typer.Option(
     "--prompts", "--dataset", "-d", show_default=False, rich_help_panel=GEN,
     help="Prompt source, repeatable: mt-bench, gsm8k, humaneval, sharegpt, instructions (built-in MT-Bench-like "
          "requests), magpie (requests the target writes itself from its chat template; needs a chat model and, "
-         "for token-map, --from-generations), or a question.jsonl / ShareGPT .json / text file (one prompt a line).")]
+         "for token-map, --from-generations), magpie-tasks (the same, each request begun with a task word in "
+         "turn: Write, Solve, Pretend, Extract, ...), or a question.jsonl / ShareGPT .json / text file (one prompt a line).")]
 NumPrompts = Annotated[Optional[int], typer.Option("--num-prompts", "-n", min=1, rich_help_panel=GEN,
                                                    help="Use this many prompts, taken from the sources in turn.")]
 MaxNew = Annotated[int, typer.Option("--max-new-tokens", min=1, rich_help_panel=GEN, help="Longest answer generated.")]
@@ -96,19 +97,20 @@ def token_map(
 
         engine = generation_engine(model, gen_batch, max_new_tokens, dtype, device)
         written = {}
-        if magpie.MAGPIE in sources:
+        for source in magpie.sources(sources):
             count = magpie.share(sources, num_prompts)
-            with _Bar(f"the target writing {count} prompts (magpie)") as bar:
-                written[magpie.MAGPIE], _ = magpie.write_prompts(
-                    engine, count, magpie.MagpieSettings(str(engine.model_dir)), gen_batch, bar.advance)
+            with _Bar(f"the target writing {count} prompts ({source})") as bar:
+                written[source], _ = magpie.write_prompts(
+                    engine, count, magpie.settings(source, str(engine.model_dir)), gen_batch, bar.advance)
         prompts = load_prompts(sources, num_prompts, written)
         model_dir, config, tokenizer, eos = engine.model_dir, engine.model_config, engine.tokenizer, engine.eos_ids
         with _Bar(f"generating answers to {len(prompts)} prompts (tokens)") as bar:
             counts = generation_counts(engine, prompts, Generation(max_new_tokens, temperature), gen_batch,
                                        on_tokens=bar.advance)
         what = f"tokens the target generated for {len(prompts)} prompts"
-    elif magpie.MAGPIE in sources:
-        fail("--dataset magpie has the target write prompts, so its texts are generations: add --from-generations.")
+    elif magpie.sources(sources):
+        fail(f"--dataset {magpie.sources(sources)[0]} has the target write prompts, so its texts are generations: "
+             "add --from-generations.")
     else:
         model_dir = resolve_model_path(model)
         config, tokenizer = load_config(model_dir), load_tokenizer(model_dir)

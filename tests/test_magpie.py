@@ -117,3 +117,33 @@ def test_a_longer_list_extends_the_stored_one(tmp_path, monkeypatch):
     assert firsts == [0, 4]
     assert magpie.cached_prompts(path, 2, settings, lambda: engine, group=4) == short[:2] and firsts == [0, 4]
     assert json.loads(path.read_text())["tried"] == 8
+
+
+def test_magpie_tasks_begins_each_request_with_an_opening_in_turn(tmp_path, monkeypatch):
+    """Sample i is fed the user turn's prefix and OPENINGS[i % len]; the kept request is the opening
+    and what the target wrote after it. Its prompts file is its own, with the openings in its settings."""
+    fed = []
+
+    def generate_groups(engine, prompt_ids, gen, group, *, first_index=0, on_step=None):
+        fed.extend(prompt_ids)
+        yield [types.SimpleNamespace(output_ids=[7, 8, 9, 10 + first_index + i],
+                                     finish_reason=types.SimpleNamespace(type="stop"))
+               for i in range(len(prompt_ids))]
+
+    class Openings(_Words):
+        def __call__(self, text, add_special_tokens):
+            return {"input_ids": [100 + magpie.OPENINGS.index(text)] if text in magpie.OPENINGS else [0]}
+
+    monkeypatch.setattr(magpie, "generate_groups", generate_groups)
+    engine = types.SimpleNamespace(tokenizer=Openings())
+    settings = magpie.settings(magpie.TASKS, "m")
+    count = len(magpie.OPENINGS) + 2
+    got = magpie.cached_prompts(tmp_path / "magpie-tasks.json", count, settings, lambda: engine, group=count)
+    starts = [ids[-1] for ids in fed]
+    assert starts == [100 + i % len(magpie.OPENINGS) for i in range(count)]
+    assert all(ids[:-1] == fed[0][:-1] for ids in fed)                 # the same user-turn prefix
+    assert got[:2] == ["w100 w7 w8 w9 w10", "w101 w7 w8 w9 w11"] and got[-1].startswith("w101 ")
+    stored = json.loads((tmp_path / "magpie-tasks.json").read_text())["settings"]
+    assert stored["openings"] == list(magpie.OPENINGS)
+    assert "openings" not in magpie.settings(magpie.MAGPIE, "m").stored()    # plain magpie's files as before
+    assert magpie.sources(["instructions", magpie.TASKS, magpie.MAGPIE]) == [magpie.MAGPIE, magpie.TASKS]

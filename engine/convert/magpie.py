@@ -6,6 +6,11 @@ wanted, with no dataset. Requests cut off by the token limit, shorter than a few
 dropped. The prompts are kept in a JSON file and reused by a later run with the same settings, so
 that the answers' data (checked prompt by prompt) stays valid across resumes; a run that wants more
 extends the list (sampling on from where it stopped), so a longer list begins with the shorter one.
+
+`magpie-tasks` is the same with the request's first words given, one of `OPENINGS` in turn ("Write",
+"Solve", "Pretend", "Extract", ...): left alone, a model writes the requests it was tuned on most,
+which for Qwen2.5-Coder are questions about itself, in Chinese, or "Q: ... A: ..." pairs; an opening
+spreads the requests over kinds of task while the model still picks the subject.
 """
 
 from __future__ import annotations
@@ -19,6 +24,12 @@ from engine.convert import ConvertError
 from engine.convert.generate import Generation, generate_groups
 
 MAGPIE = "magpie"
+TASKS = "magpie-tasks"
+# The kinds of request a general assistant gets: writing, role-play, reasoning, math, coding, extraction,
+# science, humanities, advice.
+OPENINGS = ("Write", "Explain", "Imagine", "Solve", "Compare", "What", "How", "Can you", "Pretend", "Extract",
+            "Summarize", "Given", "Suppose", "Describe", "List", "Create", "Design", "Why", "Rewrite", "Help me",
+            "Compose", "Act as", "Analyze", "Draft")
 _MARK = "\x00user message\x00"
 _MIN_WORDS = 4
 
@@ -30,6 +41,24 @@ class MagpieSettings:
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 0.95
+    openings: tuple[str, ...] = ()      # sample i's request begins with openings[i % len]
+
+    def stored(self) -> dict:
+        """As a prompts file records them: JSON's lists, and no `openings` for plain magpie (files
+        written before they existed hold none)."""
+        fields = {**asdict(self), "openings": list(self.openings)}
+        if not self.openings:
+            del fields["openings"]
+        return fields
+
+
+def sources(names: Sequence[str]) -> list[str]:
+    """The magpie sources among prompt source names."""
+    return [name for name in (MAGPIE, TASKS) if name in names]
+
+
+def settings(source: str, model: str, seed: int = 0) -> MagpieSettings:
+    return MagpieSettings(model, seed, openings=OPENINGS if source == TASKS else ())
 
 
 def share(sources: Sequence[str], num_prompts: Optional[int]) -> int:
@@ -53,14 +82,16 @@ def write_prompts(engine, count: int, settings: MagpieSettings, group: int,
     with the seeds after the `tried` already used; fewer (the caller warns) only when four times as
     many samples did not yield enough, an error when none did."""
     prefix = user_turn_prefix(engine.tokenizer)
+    openings = [engine.tokenizer(o, add_special_tokens=False)["input_ids"] for o in settings.openings] or [[]]
     gen = Generation(settings.max_new_tokens, settings.temperature, settings.seed, settings.top_p)
     kept = dict.fromkeys(kept)
     while len(kept) < count and tried < 4 * count:
         batch = min(group, 4 * count - tried)
-        for reqs in generate_groups(engine, [prefix] * batch, gen, batch, first_index=tried):
+        starts = [openings[i % len(openings)] for i in range(tried, tried + batch)]
+        for reqs in generate_groups(engine, [prefix + o for o in starts], gen, batch, first_index=tried):
             before = len(kept)
-            for req in reqs:
-                text = engine.tokenizer.decode(req.output_ids, skip_special_tokens=True).strip()
+            for start, req in zip(starts, reqs):
+                text = engine.tokenizer.decode(start + req.output_ids, skip_special_tokens=True).strip()
                 if req.finish_reason.type == "stop" and len(text.split()) >= _MIN_WORDS and len(kept) < count:
                     kept.setdefault(text, None)
             if on_kept:
@@ -80,7 +111,7 @@ def cached_prompts(path: Path, count: int, settings: MagpieSettings, make_engine
     stored, tried = [], 0
     if path.is_file():
         data = json.loads(path.read_text())
-        if data.get("settings") == asdict(settings):
+        if data.get("settings") == settings.stored():
             # A list written before "tried" was kept used at most four tries a prompt: go on past them.
             stored, tried = data["prompts"], data.get("tried", 4 * len(data["prompts"]))
     if len(stored) >= count:
@@ -89,5 +120,5 @@ def cached_prompts(path: Path, count: int, settings: MagpieSettings, make_engine
         on_kept(len(stored))         # progress counts the whole list, the stored part included
     prompts, tried = write_prompts(make_engine(), count, settings, group, on_kept, stored, tried)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"settings": asdict(settings), "tried": tried, "prompts": prompts}, indent=1))
+    path.write_text(json.dumps({"settings": settings.stored(), "tried": tried, "prompts": prompts}, indent=1))
     return prompts

@@ -203,14 +203,14 @@ def _data(opts: TrainOptions, target_dir: Path, aux, device: str, progress: Prog
     spec = _data_spec(opts, target_dir, aux, device)
     check_settings(opts.data_path, spec)          # before magpie spends minutes writing prompts
     written = {}
-    if magpie.MAGPIE in opts.prompts:
+    for source in magpie.sources(opts.prompts):
         count = magpie.share(opts.prompts, opts.num_prompts)
-        progress.phase(f"the target writing {count} prompts (magpie)", count)
-        written[magpie.MAGPIE] = ours = magpie.cached_prompts(
-            opts.data_path / "magpie.json", count, magpie.MagpieSettings(str(target_dir), opts.seed), make_engine,
-            opts.gen_batch, progress.advance)
+        progress.phase(f"the target writing {count} prompts ({source})", count)
+        written[source] = ours = magpie.cached_prompts(
+            opts.data_path / f"{source}.json", count, magpie.settings(source, str(target_dir), opts.seed),
+            make_engine, opts.gen_batch, progress.advance)
         if len(ours) < count:
-            progress.log(f"magpie: only {len(ours)} distinct requests of the {count} wanted")
+            progress.log(f"{source}: only {len(ours)} distinct requests of the {count} wanted")
     prompts = load_prompts(list(opts.prompts), opts.num_prompts, written)
     manifest = open_data(opts.data_path, spec, prompts)
     stored, new_from = stored_prompts(manifest), None
