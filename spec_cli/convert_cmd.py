@@ -125,7 +125,11 @@ def token_map(
     _out.print(f"Wrote {output}: {len(ids)} token ids ({min(seen, len(ids))} seen in the corpus"
                f"{', the rest by id order' if seen < len(ids) else ''}).")
     _out.print(f"They cover {coverage(counts, ids):.2%} of the {int(counts.sum()):,} {what}.")
-    _out.print(f"Serve with: spec serve --model {model} --algo EAGLE --draft D --speculative-token-map {output}")
+    if _servable(config):
+        _out.print(f"Serve with: spec serve --model {model} --algo EAGLE --draft D --speculative-token-map {output}")
+    else:
+        _out.print(f"The engine does not serve {config.model_type} targets: the map is for another engine, or a target "
+                   "with this tokenizer.")
 
 
 # ------------------------------------------------------------------------------------------------ draft
@@ -344,3 +348,14 @@ class _Bar:
 
     def log(self, message: str) -> None:
         self.progress.console.print(message)
+
+
+def _servable(config) -> bool:
+    from engine.errors import ModelLoadError
+    from engine.models import model_class
+
+    try:
+        model_class(config, "")
+        return True
+    except ModelLoadError:
+        return False

@@ -5,6 +5,7 @@ originals do."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,22 @@ def test_token_map_command_counts_the_corpus(target, tmp_path):
     assert int(expected[frequent[-1]]) >= int(expected.sort(descending=True).values[len(frequent) - 1])
     share = float(expected[torch.tensor(ids)].sum() / expected.sum())
     assert f"{share:.2%}" in result.output
+    assert f"spec serve --model {target} --algo EAGLE" in result.output
+
+
+def test_token_map_of_a_target_the_engine_refuses_suggests_no_serve_command(target, tmp_path):
+    """A map needs only the tokenizer (gemma3-270m's, say); the closing hint must not name a spec serve
+    command that would be refused."""
+    other = tmp_path / "other"
+    shutil.copytree(target, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"]}))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 3)
+    result = run("convert", "token-map", "--model", str(other), "--dataset", str(corpus), "--size", "12",
+                 "-o", str(tmp_path / "map.pt"))
+    assert result.exit_code == 0, result.output
+    assert "spec serve" not in result.output and "does not serve" in result.output
 
 
 def test_chat_special_ids_are_the_templates(target):
