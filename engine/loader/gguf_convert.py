@@ -161,9 +161,10 @@ def _write_tensors(path: Path, config, skeleton, dtype: torch.dtype, out: Path) 
 
     reader = gguf.GGUFReader(path)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    fields = config.to_dict()
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=fields)
     names = get_gguf_hf_weights_map(skeleton, processor)
-    context = {"tensor_key_mapping": names, "parsed_parameters": {"config": config.to_dict(), "tensors": {}}}
+    context = {"tensor_key_mapping": names, "parsed_parameters": {"config": fields, "tensors": {}}}
     longest, count = max(map(len, names.values()), default=0) + len(".q8_super"), len(reader.tensors)
     with SafetensorsWriter(out / "model.safetensors", count, longest) as floats, \
             SafetensorsWriter(out / QUANT_FILE, 4 * count, longest) as stored:
