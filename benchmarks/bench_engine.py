@@ -43,13 +43,12 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,4,16")
     a = ap.parse_args()
 
-    from transformers import AutoModelForCausalLM
-
     from engine import Engine
+    from engine.loader import transformers_model
 
     eng = Engine(model_path=a.model, dtype=a.dtype, max_total_tokens=64 * 1024)
     dtype = getattr(torch, a.dtype)
-    hf = AutoModelForCausalLM.from_pretrained(eng.model_dir, dtype=dtype).eval()
+    hf = transformers_model(eng.model_dir, dtype)
     prompts = first_turns(eng.tokenizer, a.prompts)
     params = {"temperature": 0, "max_new_tokens": a.max_new_tokens, "ignore_eos": True}
 

@@ -97,12 +97,10 @@ def main() -> None:
     runners[label] = spec_runner(spec, a.max_new_tokens)
     accept[label] = lambda: spec.stats()["avg_spec_accept_length"]
     if a.mode == "standalone":
-        from transformers import AutoModelForCausalLM
+        from engine.loader import resolve_model_path, transformers_model
 
-        from engine.loader import resolve_model_path
-
-        hf_t = AutoModelForCausalLM.from_pretrained(plain.model_dir, dtype=getattr(torch, dtype)).eval()
-        hf_d = AutoModelForCausalLM.from_pretrained(resolve_model_path(a.draft), dtype=getattr(torch, dtype)).eval()
+        hf_t = transformers_model(plain.model_dir, getattr(torch, dtype))
+        hf_d = transformers_model(resolve_model_path(a.draft), getattr(torch, dtype))
         runners["transformers generate"] = hf_runner(hf_t, a.max_new_tokens)
         runners["transformers assisted (defaults)"] = hf_runner(hf_t, a.max_new_tokens, hf_d)
     print(f"{a.mode}: target {target}  dtype {dtype}  {len(prompts)} MT-Bench first turns  "

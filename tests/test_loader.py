@@ -19,7 +19,7 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.loader import (KNOWN_MODELS, convert_gguf, fetch_model, iter_weights, load_config, load_tokenizer,
-                           models_dir, resolve_model_path)
+                           models_dir, resolve_model_path, transformers_model)
 
 CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
 TEXTS = ["hello world, the quick brown fox", "speculative decoding drafts tokens", "def f(x): return x + 1"]
@@ -83,6 +83,32 @@ def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype, name
         assert torch.equal(got[name], tensor.detach()), name
+
+
+def transformers_gguf_weights(path: Path) -> dict[str, torch.Tensor]:
+    """transformers' own dequantization of a GGUF file's tensors, under its names: the reference for
+    what a converted directory's weights read as."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
+    return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+
+
+def assert_converted_as_transformers_reads(converted: Path, path: Path) -> None:
+    """Every tensor reads (iter_weights) as transformers dequantizes it from the file, bit for bit, and
+    one the directory keeps as the file's blocks is not also on disk as floats."""
+    from engine.loader.gguf_convert import gguf_groups
+    from engine.loader.weights import SafetensorsFile
+
+    got, want = dict(iter_weights(converted)), transformers_gguf_weights(path)
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], tensor), name
+    groups = gguf_groups(converted)
+    floats = set(SafetensorsFile(converted / "model.safetensors").names())
+    assert groups is not None and not floats & set(groups.names())
 
 
 # --- local directories ------------------------------------------------------------------------------
@@ -494,6 +520,32 @@ def test_gguf_conversion_holds_one_tensor_at_a_time(tmp_path, tokenizer, monkeyp
     assert peaks[0] < model_bytes / 4, (peaks, model_bytes)
 
 
+def test_a_quantized_tensor_is_kept_as_blocks_only_where_transformers_just_reorders_its_rows():
+    """The blocks stay as stored under a processor that reorders rows (their row order given) or does
+    nothing; one that transposes, changes values, drops the tensor or fails on a column of row numbers
+    leaves the tensor to its dequantized float copy (None)."""
+    from types import SimpleNamespace
+
+    from engine.loader.gguf_convert import _row_order
+
+    def processor(fn):
+        return SimpleNamespace(process=lambda weights, name, **kw: SimpleNamespace(weights=fn(weights), name=name))
+
+    context = {"tensor_key_mapping": {"blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj.weight"},
+               "parsed_parameters": {}}
+    name = "blk.0.attn_q.weight"
+    assert _row_order(processor(lambda w: w), name, 6, context) == (name, None)
+    _, order = _row_order(processor(lambda w: w[[1, 0, 3, 2, 5, 4]]), name, 6, context)
+    assert order.tolist() == [1, 0, 3, 2, 5, 4]
+
+    def fails(w):
+        raise ValueError("cannot reshape")
+
+    for other in (lambda w: w.T, lambda w: w - 1, lambda w: w[[0, 0, 1, 2, 3, 4]], fails):
+        assert _row_order(processor(other), name, 6, context) is None
+    assert _row_order(processor(lambda w: w), "output.weight", 6, context) is None     # a name not mapped
+
+
 def test_a_full_disk_during_conversion_says_where_and_what_to_do(tiny_gguf, monkeypatch):
     from engine.loader.weights import SafetensorsWriter
 
@@ -523,7 +575,8 @@ def test_corrupt_gguf_is_named(tiny_gguf, damage):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"])
 def test_real_gguf_conversion_matches_transformers(name, monkeypatch):
-    """Logits from our converted directory equal transformers' own load of the GGUF file."""
+    """Logits from our converted directory (its quantized tensors dequantized by iter_weights) equal
+    transformers' own load of the GGUF file."""
     pytest.importorskip("accelerate")  # transformers needs it to load a GGUF file directly
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -544,7 +597,7 @@ def test_real_gguf_conversion_matches_transformers(name, monkeypatch):
     assert ids.tolist() == reference_tok(prompt, return_tensors="pt").input_ids.tolist()
 
     with torch.no_grad():
-        ours = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)(ids).logits
+        ours = transformers_model(converted, torch.float32)(ids).logits
         reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                          dtype=torch.float32)(ids).logits
     assert torch.equal(ours, reference)

@@ -12,7 +12,7 @@ import torch
 from engine.loader import gguf_quant
 from engine.models.quant import Int4Linear, Int8Embedding, Int8GroupLinear, W4A8Linear, W8A8Linear, quantize_rows
 from spec_kernels import cpu_w4a8
-from tests.test_loader import gguf_tokenizer, tiny_llama, write_tiny_gguf
+from tests.test_loader import assert_converted_as_transformers_reads, gguf_tokenizer, tiny_llama, write_tiny_gguf
 from tests.test_speculative_lossless import ALGOS, draft_setup, prompts as lossless_prompts
 from tests.tiny import make_model, tiny_engine
 
@@ -36,13 +36,16 @@ def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1"])
-def test_gguf_blocks_decode_bit_exactly(kind):
+def test_gguf_blocks_decode_bit_exactly(kind, monkeypatch):
+    """Also when dequantize works in slices of rows (5 of 3 rows here, a last one short)."""
     import gguf
 
-    raw = gguf_blocks(kind, 12, 512)
-    groups = gguf_quant.decode(raw, kind, 12)
-    theirs = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]))
-    assert torch.equal(gguf_quant.dequantize(groups), theirs.reshape(12, 512))
+    raw = gguf_blocks(kind, 14, 512)
+    groups = gguf_quant.decode(raw, kind, 14)
+    theirs = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])).reshape(14, 512)
+    assert torch.equal(gguf_quant.dequantize(groups), theirs)
+    monkeypatch.setattr(gguf_quant, "_SLICE_BYTES", 3 * 512 * 4)
+    assert torch.equal(gguf_quant.dequantize(groups), theirs)
     assert groups.bits == {"Q5_K": 5, "Q6_K": 6, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4}.get(kind, 8)
     assert (groups.super is None) == (kind not in ("Q4_K", "Q5_K", "Q6_K"))
 
@@ -148,10 +151,8 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     path = tmp_path / "tiny-llama.Q4.gguf"
     write_tiny_gguf(path, model, tokenizer, types)
     converted = convert_gguf(path)
+    assert_converted_as_transformers_reads(converted, path)
     groups, weights = gguf_groups(converted), dict(iter_weights(converted))
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
-                 "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"):
-        assert torch.equal(gguf_quant.dequantize(groups(name)), weights[name]), name
     assert groups("model.layers.0.mlp.down_proj.weight").bits == 8
 
     engines = {kw: Engine(model_path=str(path), max_total_tokens=2048, **dict([kw])) for kw in
@@ -203,7 +204,6 @@ def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tie, tmp_path, monk
     from engine import Engine
     from engine.forward_batch import make_batch
     from engine.loader import convert_gguf, iter_weights
-    from engine.loader.gguf_convert import gguf_groups
     from engine.models.quant import GroupEmbedding, MixedLinear, Q5KLinear, Q6KLinear
 
     if cpu_w4a8.library() is None:
@@ -216,11 +216,9 @@ def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tie, tmp_path, monk
     path = tmp_path / "tiny-llama.Q6_K.gguf"
     write_tiny_gguf(path, model, tokenizer, types)
     converted = convert_gguf(path)
-    groups, weights = gguf_groups(converted), dict(iter_weights(converted))
+    assert_converted_as_transformers_reads(converted, path)
+    weights = dict(iter_weights(converted))
     head_name = "model.embed_tokens.weight" if tie else "lm_head.weight"
-    for name in ("model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.v_proj.weight", head_name,
-                 "model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight"):
-        assert torch.equal(gguf_quant.dequantize(groups(name)), weights[name]), name
 
     target = Engine(model_path=str(path), max_total_tokens=2048, quantization="w4a8")
     reference = Engine(model_path=str(path), max_total_tokens=2048, dtype="float32")

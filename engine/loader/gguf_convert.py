@@ -1,12 +1,12 @@
-"""GGUF file -> cached Hugging Face directory (config.json, model.safetensors, tokenizer files), plus
-the file's own quantized weights (gguf_groups/groups.safetensors).
+"""GGUF file -> cached model directory (config.json, tokenizer files, model.safetensors) holding the
+file's own quantized weights as they are stored (gguf_groups/groups.safetensors) and the rest as floats.
 
-A GGUF is dequantized once, tensor by tensor, with the pieces of transformers' own GGUF reader
-(which rename tensors and undo llama.cpp's Q/K row permutation) into an ordinary checkpoint, and its
-Q4_0/Q4_1/Q4_K, Q5_K, Q6_K and Q8_0/Q5_0/Q5_1 tensors are also kept as they are
-(engine/loader/gguf_quant.py) under the same names, renamed and permuted the same way: the engine
-serves those directly on the CPU (--quantization auto), and the float checkpoint is the exact
-reference (--dtype float32). Later runs reuse the directory.
+The tensors get transformers' names and row order (the pieces of its own GGUF reader rename them and
+undo llama.cpp's Q/K row permutation), one tensor at a time. Q4_0/Q4_1/Q4_K, Q5_K, Q6_K and
+Q8_0/Q5_0/Q5_1 tensors (engine/loader/gguf_quant.py) are kept only as they are: the engine serves them
+directly on the CPU (--quantization auto), and iter_weights dequantizes them, bit for bit as GGUF does,
+where a float copy is asked for (--dtype float32, the exact reference). Other types (norms, F16/F32,
+Q2_K/Q3_K/IQ*) are dequantized into model.safetensors. Later runs reuse the directory.
 transformers and gguf are imported inside functions: importing them takes seconds, which commands that
 never convert should not pay.
 """
@@ -20,6 +20,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 # In a folder of its own, so that the checkpoint's *.safetensors stay the float weights alone.
 QUANT_FILE = "gguf_groups/groups.safetensors"
 # Bumped when what a conversion writes changes: older cached directories are converted again.
-_FORMAT = 6
+_FORMAT = 7
 
 
 def converted_root() -> Path:
@@ -129,8 +130,9 @@ def _convert_into(path: Path, dtype: torch.dtype, out: Path) -> None:
         written = _write_tensors(path, config, skeleton, dtype, out)
     except OSError as e:    # the file's header and tensor table were read before (_stored_dtype): the writing side
         raise ModelLoadError(
-            f"Cannot write the converted {path.name} under {out.parent} ({e}). It needs about 4 bytes per weight "
-            f"(~7 GB for a 1.5B model): free space there or set SPEC_CACHE_DIR to a folder with room.") from e
+            f"Cannot write the converted {path.name} under {out.parent} ({e}). It needs about the file's size for its "
+            f"quantized tensors and 4 bytes a weight for the rest: free space there or set SPEC_CACHE_DIR to a "
+            f"folder with room.") from e
     except Exception as e:  # unsupported architecture or tokenizer, odd metadata: all about the file
         raise ModelLoadError(
             f"transformers cannot convert {path}: {e}. Pass a Hugging Face directory of the model instead.") from e
@@ -147,12 +149,13 @@ def _convert_into(path: Path, dtype: torch.dtype, out: Path) -> None:
 
 
 def _write_tensors(path: Path, config, skeleton, dtype: torch.dtype, out: Path) -> set[str]:
-    """Write the file's tensors, dequantized to `dtype`, as out/model.safetensors, and those in the types
-    gguf_quant decodes (gguf_quant.Groups) also as they are stored, as out/QUANT_FILE: {hf name}.q4
-    (packed nibbles), .q5, .q6 or .q8, and .q{4,5,6,8}_scale, _min and _super where they have them.
-    Both get transformers' names and row permutation (as its load_gguf_checkpoint gives them), one
-    tensor at a time: peak memory is one tensor, not the model (10 GiB for a 1.5B model in fp32).
-    Returns the names written to model.safetensors."""
+    """Write the file's tensors under transformers' names and row order (as its load_gguf_checkpoint
+    gives them), one tensor at a time: peak memory is one tensor, not the model.
+    Those in the types gguf_quant decodes (gguf_quant.Groups) go as they are stored, and only so, to
+    out/QUANT_FILE: {hf name}.q4 (packed nibbles), .q5, .q6 or .q8, and .q{4,5,6,8}_scale, _min and
+    _super where they have them; iter_weights dequantizes them when a float copy is asked for (a float
+    copy on disk took 4 bytes a weight: 7.1 GB for a 1.5B model). The rest goes to out/model.safetensors,
+    dequantized to `dtype`. Returns the names written."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
@@ -166,23 +169,47 @@ def _write_tensors(path: Path, config, skeleton, dtype: torch.dtype, out: Path) 
     names = get_gguf_hf_weights_map(skeleton, processor)
     context = {"tensor_key_mapping": names, "parsed_parameters": {"config": fields, "tensors": {}}}
     longest, count = max(map(len, names.values()), default=0) + len(".q8_super"), len(reader.tensors)
+    written = set()
     with SafetensorsWriter(out / "model.safetensors", count, longest) as floats, \
             SafetensorsWriter(out / QUANT_FILE, 4 * count, longest) as stored:
         for tensor in reader.tensors:
-            result = processor.process(weights=_dequantize(tensor), name=tensor.name, **context)
-            if result.name not in names:
-                continue
-            hf = names[result.name]
-            floats.add(hf, torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype))
-            kind = tensor.tensor_type.name
-            if not gguf_quant.decodable(kind):
-                continue
-            groups = gguf_quant.decode(tensor.data, kind, tensor.data.shape[0]).map(lambda t: torch.from_numpy(
-                np.ascontiguousarray(processor.process(weights=t.numpy(), name=tensor.name, **context).weights)))
-            for suffix, t in zip(("", "_scale", "_min", "_super"), groups[1:]):
-                if t is not None:
-                    stored.add(f"{hf}.q{groups.bits}{suffix}", t)
-    return set(floats.header)
+            kind, data = tensor.tensor_type.name, tensor.data
+            order = _row_order(processor, tensor.name, data.shape[0], context) \
+                if gguf_quant.decodable(kind) and data.ndim == 2 else None
+            if order is not None:
+                hf = names[order[0]]
+                groups = gguf_quant.decode(data, kind, data.shape[0])
+                if order[1] is not None:
+                    groups = groups.map(lambda t: t[order[1]])
+                for suffix, t in zip(("", "_scale", "_min", "_super"), groups[1:]):
+                    if t is not None:
+                        stored.add(f"{hf}.q{groups.bits}{suffix}", t)
+            else:
+                result = processor.process(weights=_dequantize(tensor), name=tensor.name, **context)
+                if result.name not in names:
+                    continue
+                hf = names[result.name]
+                floats.add(hf, torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype))
+            written.add(hf)
+    return written
+
+
+def _row_order(processor, name: str, rows: int, context: dict):
+    """(GGUF name after processing, row permutation or None for the identity) when transformers' processor
+    only reorders the tensor's rows (Llama's Q/K rows, or nothing), found by processing the row numbers;
+    None when it does anything else (a transpose, a changed value, a name it drops), or fails on them:
+    then only the dequantized tensor is right."""
+    probe = np.arange(rows, dtype=np.float64)[:, None]
+    try:
+        result = processor.process(weights=probe, name=name, **context)
+    except Exception:           # a processor that reshapes by the model's width: not a row order
+        return None
+    moved = np.asarray(result.weights)
+    if result.name not in context["tensor_key_mapping"] or moved.shape != (rows, 1) \
+            or not np.array_equal(np.sort(moved[:, 0]), probe[:, 0]):
+        return None
+    order = moved[:, 0].astype(np.int64)
+    return result.name, None if np.array_equal(order, probe[:, 0]) else torch.from_numpy(order)
 
 
 def _dequantize(tensor) -> np.ndarray:
@@ -202,22 +229,31 @@ def _dequantize(tensor) -> np.ndarray:
     return out
 
 
-def gguf_groups(model_dir: Path):
-    """A lookup `hf weight name -> gguf_quant.Groups` over a converted GGUF's own quantized tensors, or
-    None when the directory has none."""
+def gguf_groups(model_dir: Path) -> Optional["StoredGroups"]:
+    """A converted GGUF's own quantized tensors, or None when the directory has none."""
     file = Path(model_dir) / QUANT_FILE
-    if not file.is_file():
-        return None
-    from engine.loader.gguf_quant import Groups
-    from engine.loader.weights import SafetensorsFile
+    return StoredGroups(file) if file.is_file() else None
 
-    reader = SafetensorsFile(file)
 
-    def groups(name: str):
-        for bits in (4, 5, 6, 8):
+class StoredGroups:
+    """hf weight name -> gguf_quant.Groups (None for a name stored otherwise), over QUANT_FILE."""
+
+    def __init__(self, file: Path):
+        from engine.loader.weights import SafetensorsFile
+
+        self._reader = SafetensorsFile(file)
+
+    def names(self) -> list[str]:
+        return [n.rsplit(".", 1)[0] for n in self._reader.names() if n.rsplit(".", 1)[1] in _BITS]
+
+    def __call__(self, name: str):
+        from engine.loader.gguf_quant import Groups
+
+        for bits in _BITS.values():
             names = [f"{name}.q{bits}{suffix}" for suffix in ("", "_scale", "_min", "_super")]
-            if names[0] in reader.header:
-                return Groups(bits, *(reader.get(n) if n in reader.header else None for n in names))
+            if names[0] in self._reader.header:
+                return Groups(bits, *(self._reader.get(n) if n in self._reader.header else None for n in names))
         return None
 
-    return groups
+
+_BITS = {f"q{bits}": bits for bits in (4, 5, 6, 8)}

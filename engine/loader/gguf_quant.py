@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 GROUP = 32
+_SLICE_BYTES = 16 << 20         # dequantize's output per slice
 
 
 class Groups(NamedTuple):
@@ -133,7 +134,19 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(groups: Groups) -> torch.Tensor:
-    """float32 weights [N, K] of a tensor's groups, as GGUF computes them."""
+    """float32 weights [N, K] of a tensor's groups, as GGUF computes them, in slices of 16 MiB of output:
+    the temporaries are several times what a slice returns (a 150k-row embedding is ~1 GB in fp32)."""
+    rows, columns = groups.q.shape[0], groups.columns
+    step = max(1, _SLICE_BYTES // (4 * max(1, columns)))
+    if rows <= step:                # an embedding's lookup: no copy
+        return _dequantize(groups)
+    out = torch.empty(rows, columns)
+    for r in range(0, rows, step):
+        out[r:r + step] = _dequantize(groups.map(lambda t: t[r:r + step]))
+    return out
+
+
+def _dequantize(groups: Groups) -> torch.Tensor:
     if groups.bits == 6:
         q, d = groups.q.float() - 32, groups.super[..., 0].float().repeat_interleave(16, 1)
         return (q.view(q.shape[0], -1, 16) * (d * groups.scale.float())[..., None]).view(q.shape)

@@ -47,11 +47,15 @@ def _model_type(model_dir: Path) -> Optional[str]:
 
 def iter_weights(model_dir: Path, select: Optional[Callable[[str], bool]] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor of the checkpoint (or those whose name `select` accepts),
-    named and typed as stored.
+    named and typed as stored; a converted GGUF's quantized tensors (gguf_convert.gguf_groups) come
+    dequantized to float32, as GGUF computes them.
 
     One tensor at a time (safetensors are memory-mapped), so the caller can cast and place each
     without holding a second copy of the model; tensors not selected are not read.
     """
+    from engine.loader.gguf_convert import gguf_groups
+    from engine.loader.gguf_quant import dequantize
+
     for file in weight_files(Path(model_dir)):
         if file.suffix == ".safetensors":
             yield from _iter_safetensors(file, select)
@@ -60,6 +64,25 @@ def iter_weights(model_dir: Path, select: Optional[Callable[[str], bool]] = None
                 # mmap avoids reading the file twice; only zip-format checkpoints support it.
                 state = torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
             yield from ((name, t) for name, t in state.items() if select is None or select(name))
+    if groups := gguf_groups(model_dir):
+        yield from ((name, dequantize(groups(name))) for name in groups.names() if select is None or select(name))
+
+
+def transformers_model(model_dir: Path, dtype: torch.dtype):
+    """transformers' model of a resolved directory (for comparisons), its weights read by iter_weights:
+    from_pretrained alone would leave a converted GGUF's quantized tensors, which model.safetensors does
+    not hold, at random values."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(load_config(model_dir), dtype=dtype).eval()
+    params, loaded = model.state_dict(), set()
+    with torch.no_grad():
+        for name, tensor in iter_weights(model_dir, select=lambda n: n in params):
+            params[name].copy_(tensor)
+            loaded.add(params[name].data_ptr())
+    if missing := [n for n, t in params.items() if t.data_ptr() not in loaded]:     # a tied head: loaded
+        raise ModelLoadError(f"{model_dir} lacks weights transformers' model needs: {', '.join(missing[:5])}.")
+    return model
 
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
