@@ -128,9 +128,8 @@ def pack(q: np.ndarray) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K / 2] -> q [N, K] (int32)."""
-    low, high = (packed & 0x0F).to(torch.int32), (packed >> 4).to(torch.int32)
-    return torch.stack([low, high], dim=-1).flatten(-2)
+    """uint8 [N, K / 2] -> q [N, K] (uint8)."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
 
 
 def dequantize(groups: Groups) -> torch.Tensor:

@@ -55,7 +55,7 @@ class Int4Linear(nn.Module):
                  bias: Optional[nn.Parameter]):
         super().__init__()
         self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 2
-        self.register_buffer("weight_int4", aten._convert_weight_to_int4pack_for_cpu(unpack(packed).contiguous(), 1),
+        self.register_buffer("weight_int4", aten._convert_weight_to_int4pack_for_cpu(unpack(packed).int(), 1),
                              persistent=False)
         # The kernel computes (q - 8) * scale + zero per group: zero = min + 8 * scale.
         self.register_buffer("scale_zero", torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()
