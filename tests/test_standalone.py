@@ -234,6 +234,32 @@ def test_token_map_restricts_drafts_keeps_output(tmp_path, target_dir, draft_dir
     assert drafted and set(drafted) <= set(hot.tolist())
 
 
+@pytest.mark.parametrize("quantization", ["none", "w4a8"])
+def test_token_map_rows_run_as_the_drafts_head_would(tmp_path, target_dir, draft_dir, quantization):
+    """The map's rows run as the draft's full head would: in bfloat16 in bf16; under w4a8 in the draft's
+    4-bit kernel (they stayed the quantized head's dequantized fp32 rows, and the first draft step
+    failed on bf16 hidden states). Greedy output stays plain decoding's, compared under w4a8, whose rows
+    do not depend on the call's other rows (bf16's matmuls may break ties differently)."""
+    from engine.models.quant import W4A8Linear
+    from spec_kernels import cpu_w4a8
+
+    if quantization == "w4a8" and cpu_w4a8.library() is None:
+        pytest.skip("no C compiler")
+    path = tmp_path / "freq_160.pt"
+    torch.save(torch.randperm(320, generator=torch.Generator().manual_seed(1))[:160].tolist(), path)
+    common = dict(model_path=str(target_dir), dtype="bfloat16", quantization=quantization, max_total_tokens=4096)
+    eng = Engine(**common, speculative_algorithm="STANDALONE", speculative_draft_model_path=str(draft_dir),
+                 speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=4,
+                 speculative_draft_model_quantization=quantization, speculative_token_map=str(path))
+    head = eng._scheduler.worker.drafter.model.draft_head
+    assert (type(head.matmul) is W4A8Linear) == (quantization == "w4a8")
+    ps = prompts(3, seed=5)
+    out = generate(eng, ps)
+    assert [len(o) for o in out] == [GREEDY["max_new_tokens"]] * 3
+    if quantization == "w4a8":
+        assert out == generate(Engine(**common), ps)
+
+
 def test_full_token_map_with_own_draft_accepts_everything(tmp_path, target_dir, plain_outputs):
     ps, ref = plain_outputs
     path = tmp_path / "all.pt"

@@ -98,7 +98,7 @@ def test_hot_vocab_head_matches_full_head_on_hot_tokens():
     torch.manual_seed(0)
     weight, hidden = torch.randn(50, 8), torch.randn(3, 8)
     hot = torch.tensor([7, 2, 41, 13])
-    logits = HotVocabHead(weight, hot, vocab_size=50)(hidden)
+    logits = HotVocabHead(weight, hot, vocab_size=50, dtype=torch.float32)(hidden)
     full = hidden @ weight.T
     assert logits.shape == (3, 50) and logits.dtype == torch.float32
     torch.testing.assert_close(logits[:, hot], full[:, hot])

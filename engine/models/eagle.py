@@ -170,15 +170,15 @@ def load_eagle_draft(algorithm: str, draft_dir: Path, target: nn.Module, *, max_
     if getattr(model, "lm_head", None) is not None:
         model.head = DraftVocabHead(model.lm_head.weight, torch.arange(rows) if ids is None else ids, vocab)
     else:
-        model.head = target_head(target, hot_ids)
+        model.head = target_head(target, hot_ids, dtype)
     return model.eval()
 
 
-def target_head(target: nn.Module, hot_ids: Optional[torch.Tensor]) -> Head:
-    """The target's lm_head, restricted to an FR-Spec token map's rows when one is given."""
+def target_head(target: nn.Module, hot_ids: Optional[torch.Tensor], dtype: torch.dtype) -> Head:
+    """The target's lm_head, restricted to an FR-Spec token map's rows (in `dtype`) when one is given."""
     if hot_ids is None:
         return target.compute_logits
-    return HotVocabHead(target.lm_head_weight(), hot_ids, target.config.vocab_size)
+    return HotVocabHead(target.lm_head_weight(), hot_ids, target.config.vocab_size, dtype)
 
 
 def _strip_prefix(name: str) -> str:

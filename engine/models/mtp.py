@@ -155,7 +155,7 @@ def load_mtp_draft(source: Path, target: nn.Module, *, own: bool, max_positions:
                           "first layer.")
     if num_layers == 1 and len(ids) > 1:
         log.info("%s has %d MTP layers; drafting reuses the first one at every step", source, len(ids))
-    head = target_head(target, hot_ids)
+    head = target_head(target, hot_ids, dtype)
     layers = [_load_layer(layout, tensors, index, k, config, source, max_positions, dtype, device, head)
               for k, index in enumerate(ids[:num_layers])]
     return layers[0] if num_layers == 1 else MtpLayers(layers).eval()

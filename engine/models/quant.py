@@ -361,8 +361,13 @@ def quantize_loaded(model: nn.Module, kind: str) -> None:
         if quantizable(linear, kind):
             setattr(parent, attr, KINDS[kind].quantize(linear.weight, linear.bias))
     head = getattr(model, "head", None)         # an EAGLE-3 head's own rows, or an FR-Spec map's
-    if kind in DRAFT_HEADS and hasattr(head, "quantize") and (kind == "w8a8_int8"
-                                                            or head.weight.shape[1] % GROUP == 0):
+    if hasattr(head, "quantize"):
+        quantize_draft_head(head, kind)
+
+
+def quantize_draft_head(head, kind: Optional[str]) -> None:
+    """A draft's own head rows (speculative/token_map.py HotVocabHead) under `kind`, as DRAFT_HEADS says."""
+    if kind in DRAFT_HEADS and (kind == "w8a8_int8" or head.weight.shape[1] % GROUP == 0):
         head.quantize(DRAFT_HEADS[kind])
 
 

@@ -39,15 +39,18 @@ def load_draft(args: ServerArgs, target: nn.Module, target_dir, dtype: torch.dty
     config = load_config(draft_dir, args.trust_remote_code)
     check_same_vocabulary(args, target.config, target_dir, draft_dir, config)
     from engine.model_runner import resolve_quantization
+    from engine.models.quant import quantize_draft_head
 
     quantization = resolve_quantization(args.speculative_draft_model_quantization, draft_dir, device, args.dtype,
                                         config)
     model = load_model(draft_dir, config, dtype, device, max_positions, quantization=quantization, draft=True)
     vocab = target.config.vocab_size
-    hot = (load_token_map(args.speculative_token_map, min(vocab, config.vocab_size))
-           if args.speculative_token_map else None)
-    model.draft_head = (HotVocabHead(model.lm_head_weight(), hot, vocab) if hot is not None
-                        else lambda hidden: fit_vocab(model.compute_logits(hidden), vocab))
+    if not args.speculative_token_map:
+        model.draft_head = lambda hidden: fit_vocab(model.compute_logits(hidden), vocab)
+        return model
+    hot = load_token_map(args.speculative_token_map, min(vocab, config.vocab_size))
+    model.draft_head = HotVocabHead(model.lm_head_weight(), hot, vocab, dtype)
+    quantize_draft_head(model.draft_head, quantization)     # else a w4a8 draft's map would read bf16 rows
     return model
 
 

@@ -95,11 +95,13 @@ class HotVocabHead:
     """A draft lm_head over the map's tokens: one matmul with their rows of the lm_head weight, scattered
     into logits over the full vocabulary with -inf elsewhere, so any top-k or sampling picks hot tokens."""
 
-    def __init__(self, weight: torch.Tensor, hot_ids: torch.Tensor, vocab_size: int):
+    def __init__(self, weight: torch.Tensor, hot_ids: torch.Tensor, vocab_size: int, dtype: torch.dtype):
+        """`weight`: the full lm_head's (a quantized head's come dequantized to fp32); its hot rows are
+        kept in `dtype`, the hidden states'."""
         ids = hot_ids.to(weight.device)
         # A contiguous copy of the hot rows; no tensor-parallel group (FR-Spec maps are refused under
         # tensor parallelism: engine/config.py).
-        self._use(weight.detach()[ids], ids, vocab_size, None)
+        self._use(weight.detach()[ids].to(dtype), ids, vocab_size, None)
 
     def _use(self, rows: torch.Tensor, ids: torch.Tensor, vocab_size: int, tp_group) -> None:
         """Logits of target tokens `ids` from the weight `rows` (this rank's block of them under `tp_group`)."""
