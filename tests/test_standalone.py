@@ -269,6 +269,34 @@ def test_full_token_map_with_own_draft_accepts_everything(tmp_path, target_dir, 
     assert eng.stats()["avg_spec_accept_length"] == 4
 
 
+def test_one_draft_forward_a_step_with_requests_joining(target_dir, draft_dir):
+    """After a verification one draft forward feeds the accepted drafts and the bonus, whose K/V is parked
+    and whose scores start the next step: a step with a one-step tree runs no other draft forward, but
+    for a request's first step after its prefill. Requests join while others decode (2 run at most),
+    and outputs stay plain decoding's."""
+    ps = prompts(4, seed=11)
+    params = [{**GREEDY, "max_new_tokens": n} for n in (9, 24, 13, 20)]
+    ref = [o["output_ids"] for o in engine(target_dir, max_running_requests=2).generate(input_ids=ps,
+                                                                                        sampling_params=params)]
+    eng = engine(target_dir, draft_dir, (1, 2, 3), max_running_requests=2)
+    drafter, calls = eng._scheduler.worker.drafter, {"feed": 0, "draft": 0, "after_prefill": 0}
+
+    def counted(name):
+        fn = getattr(drafter, name)
+
+        def count(*args):
+            calls[name] += 1
+            return fn(*args)
+        return count
+
+    for name in calls:
+        setattr(drafter, name, counted(name))
+    assert [o["output_ids"] for o in eng.generate(input_ids=ps, sampling_params=params)] == ref
+    steps, prefills = calls["draft"], calls["after_prefill"]
+    assert steps > 10 and steps + prefills < calls["feed"] <= steps + prefills + len(ps), calls
+    assert not drafter.parked       # released with their requests
+
+
 def test_vocabulary_checks(tmp_path, target_dir, plain_outputs):
     small = make_model(tmp_path / "v256", "llama", vocab=256, seed=3)
     with pytest.raises(ConfigError, match=r"\(256 tokens\).*\(320 tokens\)"):

@@ -6,7 +6,7 @@ live at the same slot number (engine/memory/kv_manager.py owns who holds which).
 Slot 0 is never handed out: it stays zero and pads gathers, so a padded row attends to finite values
 that its mask then hides. Nor is slot size + 1, where rows added to pad a batch to a fixed shape
 (engine/graph_runner.py) write their K/V. Freeing a request's rejected or finished tokens is returning their slot
-numbers to the free list; no KV is ever copied.
+numbers to the free list; no KV is ever copied (but a STANDALONE draft's parked root: speculative/standalone.py).
 """
 
 from __future__ import annotations
@@ -86,6 +86,11 @@ class KVPool:
             return self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(shape)
         return (torch.index_select(self.k[layer], 0, flat, out=out[0]).view(shape),
                 torch.index_select(self.v[layer], 0, flat, out=out[1]).view(shape))
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K/V of slots `src` into slots `dst`."""
+        for buf in self.k + self.v:
+            buf.index_copy_(0, dst, buf.index_select(0, src))
 
     def gather_buffers(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two buffers for `gather(..., out=)` of `count` slots."""

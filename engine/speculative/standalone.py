@@ -1,11 +1,14 @@
 """STANDALONE speculative decoding: a smaller LLM with the target's tokenizer drafts the tree.
 
 The draft model runs with its own K/V buffers at the target's slots (model_drafter.py): its cache
-covers exactly the target's committed positions. A draft step feeds each request's root (its newest
-token) at the root's own tree slot, which the verification commits whatever it accepts, and the
-root's draft logits give the first depth; deeper frontiers see the root and their drafted ancestors.
-After a verification the accepted drafts are fed at the slots the target commits them to; after a
-prefill piece, the piece's tokens at its slots.
+covers exactly the target's committed positions. After a verification one draft forward feeds the
+accepted drafts at the slots the target commits them to and the bonus token after them: its draft
+logits are the next step's root scores, and its K/V waits in a parking slot of the request's table row
+(beyond the allocator's slots) until that step copies it into the root's own tree slot, which the
+verification then commits. One draft forward a step where there were two (the drafts, then the root:
+a memory-bound forward costs about the same for 1 token or 4). A root without parked scores (the first
+step after a prefill) is fed at its tree slot. Deeper frontiers see the root and their drafted
+ancestors. After a prefill piece, the piece's tokens are fed at its slots.
 """
 
 from __future__ import annotations
@@ -62,9 +65,14 @@ class StandaloneDrafter(ModelDrafter):
         super().__init__(*tree, rejection, eos_ids, table)
         device, dtype = table.device, next(model.parameters()).dtype
         layers, heads, head_dim = kv_layout(model)
-        kv_pool = KVPool(layers, num_slots, heads, head_dim, dtype, device)
+        # Slots 1..num_slots are the allocator's, num_slots + 1 pads graph batches; then a parking slot per
+        # table row (the module docstring).
+        self.kv_pool = KVPool(layers, num_slots + 1 + table.shape[0], heads, head_dim, dtype, device)
+        self.parking = num_slots + 2
         self.model = model
-        self.runner = ModelRunner(model, kv_pool, create_backend(backend, str(device), kv_pool, draft=True))
+        self.runner = ModelRunner(model, self.kv_pool, create_backend(backend, str(device), self.kv_pool, draft=True))
+        # Table row -> (root token, its position, the draft's hidden state there), from after_verify.
+        self.parked: dict[int, tuple[int, int, torch.Tensor]] = {}
 
     def feed(self, batch: ForwardBatch, parent_states: Optional[torch.Tensor]) -> torch.Tensor:
         return self.runner.forward(batch).hidden
@@ -73,10 +81,23 @@ class StandaloneDrafter(ModelDrafter):
         return self.model.draft_head(hidden)
 
     def root(self, step: DecodeStep, roots: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        reqs = step.reqs
-        batch = make_batch(self.table, [r.row for r in reqs], [r.kv_len for r in reqs], roots, step.slots[:, 0],
-                           [1] * len(reqs))
-        return self.scores(self.feed(batch, None)), None
+        reqs, device = step.reqs, self.table.device
+        parked = [self.parked.pop(r.row, None) for r in reqs]
+        ready = [b for b, (r, p) in enumerate(zip(reqs, parked))
+                 if p is not None and p[:2] == (r.token_ids[-1], r.kv_len)]
+        hidden = [None] * len(reqs)
+        if ready:
+            rows = torch.tensor([reqs[b].row for b in ready], device=device)
+            self.kv_pool.copy(rows + self.parking, step.slots[ready, 0].to(device))
+            for b in ready:
+                hidden[b] = parked[b][2]
+        if missing := [b for b in range(len(reqs)) if hidden[b] is None]:
+            fed = [reqs[b] for b in missing]
+            batch = make_batch(self.table, [r.row for r in fed], [r.kv_len for r in fed], roots[missing],
+                               step.slots[missing, 0], [1] * len(fed))
+            for b, h in zip(missing, self.feed(batch, None)):
+                hidden[b] = h
+        return self.scores(torch.stack(hidden)), None
 
     def after_prefill(self, step: PrefillStep, out: ForwardOutput, next_tokens: Sequence[int]) -> None:
         reqs = step.reqs
@@ -85,15 +106,19 @@ class StandaloneDrafter(ModelDrafter):
 
     def after_verify(self, step: DecodeStep, out: ForwardOutput, sizes: Sequence[int],
                      paths: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]]) -> None:
-        # The root is in the draft cache already; feed the accepted drafts after it.
-        fed = [b for b, path in enumerate(paths) if len(path) > 1]
-        if not fed:
-            return
-        reqs = [step.reqs[b] for b in fed]
-        self.feed(make_batch(
-            self.table, [r.row for r in reqs], [r.kv_len for r in reqs], [t for b in fed for t in tokens[b][:-1]],
-            torch.cat([step.slots[b, paths[b][1:]] for b in fed]), [len(paths[b]) - 1 for b in fed],
-            extra_slots=step.slots[fed, 0], extra_lens=[1] * len(fed)), None)
+        # The root is in the draft cache already; feed the accepted drafts after it, and the bonus, parked.
+        reqs, lens = step.reqs, [len(path) for path in paths]
+        slots = torch.cat([torch.cat([step.slots[b, path[1:]], torch.tensor([self.parking + reqs[b].row])])
+                           for b, path in enumerate(paths)])
+        hidden = self.feed(make_batch(
+            self.table, [r.row for r in reqs], [r.kv_len for r in reqs], [t for ts in tokens for t in ts], slots,
+            lens, extra_slots=step.slots[:, 0], extra_lens=[1] * len(reqs)), None)
+        last = torch.tensor(lens, device=hidden.device).cumsum(0) - 1
+        for b, (r, h) in enumerate(zip(reqs, hidden[last])):
+            self.parked[r.row] = (tokens[b][-1], r.kv_len + lens[b], h)
+
+    def release(self, req) -> None:
+        self.parked.pop(req.row, None)
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
