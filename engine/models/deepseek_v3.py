@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.llama import MLP, DecoderLayer, LlamaForCausalLM, RMSNorm, Rotary, rotate
+from engine.models.llama import MLP, DecoderLayer, LlamaForCausalLM, RMSNorm, Rotary, embedding, rotate
 
 # transformers' DeepSeek-V3 gives the latent norms their own eps, not rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
@@ -158,7 +158,7 @@ def decoder_layer(config, layer: int, moe: bool | None = None) -> DecoderLayer:
 class DeepseekV3Model(nn.Module):
     def __init__(self, config, max_positions: int):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config)
         self.layers = nn.ModuleList(decoder_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config, config.qk_rope_head_dim, max_positions)

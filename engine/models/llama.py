@@ -151,10 +151,17 @@ class DecoderLayer(nn.Module):
         return h + tp.all_reduce(self.mlp(self.post_attention_layernorm(h)), self.tp)
 
 
+def embedding(config) -> nn.Embedding:
+    """The token embedding, left uninitialised on the meta device, where load_model builds a model whose
+    every weight it loads: the random init there imports torch._dynamo, 1.2-1.5 s of every start."""
+    size = (config.vocab_size, config.hidden_size)
+    return nn.Embedding(*size, _weight=torch.empty(size)) if torch.empty(0).is_meta else nn.Embedding(*size)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config, max_positions: int):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
