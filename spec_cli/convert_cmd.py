@@ -126,7 +126,8 @@ def token_map(
                f"{', the rest by id order' if seen < len(ids) else ''}).")
     _out.print(f"They cover {coverage(counts, ids):.2%} of the {int(counts.sum()):,} {what}.")
     if _servable(config):
-        _out.print(f"Serve with: spec serve --model {model} --algo EAGLE --draft D --speculative-token-map {output}")
+        _out.print(f"Serve with: spec serve --model {model} --algo STANDALONE --draft D --speculative-token-map "
+                   f"{output} (D a smaller model with this tokenizer; or --algo EAGLE or MTP with their drafts)")
     else:
         _out.print(f"The engine does not serve {config.model_type} targets: the map is for another engine, or a target "
                    "with this tokenizer.")

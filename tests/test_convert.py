@@ -76,7 +76,7 @@ def test_token_map_command_counts_the_corpus(target, tmp_path):
     assert int(expected[frequent[-1]]) >= int(expected.sort(descending=True).values[len(frequent) - 1])
     share = float(expected[torch.tensor(ids)].sum() / expected.sum())
     assert f"{share:.2%}" in result.output
-    assert f"spec serve --model {target} --algo EAGLE" in result.output
+    assert f"spec serve --model {target} --algo STANDALONE" in result.output
 
 
 def test_token_map_of_a_target_the_engine_refuses_suggests_no_serve_command(target, tmp_path):
