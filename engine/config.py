@@ -36,6 +36,10 @@ AUTO_TREE_OTHER = (3, 1, 4)
 # step. `spec tune`'s best trees for EAGLE-3 and STANDALONE there had one or two draft steps and 3
 # tokens; SGLang's auto trees ran 10-30% slower (docs/speculative.md, "Tree shape on a CPU").
 AUTO_TREE_CPU = (1, 2, 3)
+# NGRAM's drafts cost nothing to make, but on a CPU every verified token still costs: with no tree flag
+# it verifies 4 tokens there, not SGLang's 12 (spec bench --compare-baseline -n 8, MT-Bench, both turns:
+# Qwen2.5-Coder-1.5B 1.20x -> 1.38x plain decoding, SmolLM2-135M 1.45x -> 1.73x).
+NGRAM_CPU_DRAFT_TOKENS = 4
 # The deepest draft a tree may have: positions run this far past the context length while verifying.
 MAX_SPECULATIVE_STEPS = 32
 _TREE_FIELDS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
@@ -334,6 +338,7 @@ class ServerArgs:
             if self.speculative_sampling == "rejection":
                 raise ConfigError("--speculative-sampling rejection needs draft probabilities; NGRAM drafts are "
                                   "deterministic: use tree (or auto).")
+            object.__setattr__(self, "_ngram_auto", all(v is None for v in tree))     # resolved() sizes it by device
             tree = self._ngram_tree(*tree)
             for name, value in zip(_TREE_FIELDS, tree):
                 object.__setattr__(self, name, value)
@@ -436,6 +441,11 @@ class ServerArgs:
             changes["speculative_algorithm"] = "MTP"
         if changes.get("speculative_algorithm", self.speculative_algorithm) == "MTP":
             changes.update(self._multi_layer(layers))
+        if self.speculative_algorithm == "NGRAM" and device == "cpu" and getattr(self, "_ngram_auto", False):
+            tree = self._ngram_tree(None, None, NGRAM_CPU_DRAFT_TOKENS)
+            log.info("NGRAM's auto tree on a CPU: %d steps, topk %d, %d draft tokens (SGLang's verifies 12; pass a "
+                     "tree flag to choose)", *tree)
+            changes.update(zip(_TREE_FIELDS, tree))
         if self.speculative_algorithm and self.speculative_num_steps is None and "speculative_num_steps" not in changes:
             steps, topk, tokens = AUTO_TREE_CPU if device == "cpu" else sglang_auto_tree(model_config.model_type)
             if self.enable_overlap_schedule:        # chains only: the same depth, topk 1

@@ -39,9 +39,13 @@ def test_ngram_tree_is_sized_as_sglang_sizes_it():
     assert ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=16).speculative_tree == (15, 10, 16)
     assert ServerArgs(speculative_algorithm="NGRAM", speculative_num_steps=3,
                       speculative_eagle_topk=1).speculative_tree == (3, 1, 4)
-    for device in ("cpu", "cuda"):      # NGRAM's drafts cost nothing: no smaller tree on a CPU
-        ngram = ServerArgs(speculative_algorithm="NGRAM").resolved(model_config("llama"), device)
-        assert ngram.speculative_tree == (11, 10, 12)
+    # On a CPU, where each verified token costs, the tree left out verifies 4 tokens; one flag given keeps
+    # SGLang's sizing there too.
+    resolve = lambda device, **kw: ServerArgs(speculative_algorithm="NGRAM", **kw).resolved(  # noqa: E731
+        model_config("llama"), device).speculative_tree
+    assert resolve("cuda") == (11, 10, 12) and resolve("cpu") == (3, 10, 4)
+    assert resolve("cpu", speculative_ngram_max_bfs_breadth=1) == (3, 1, 4)
+    assert resolve("cpu", speculative_num_draft_tokens=12) == (11, 10, 12)
 
 
 @pytest.mark.parametrize("tree", [(3, 4, 16), (5, 8, 32), (5, 8, 64), (2, 3, 13), (4, 1, 5)])
