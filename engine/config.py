@@ -166,7 +166,8 @@ class ServerArgs:
         flags=("--speculative-eagle-topk", "--topk"), group="Speculative decoding"))
     speculative_num_draft_tokens: Optional[int] = field(default=None, metadata=opt(
         "Tree size: tokens verified per step, including the root (at most topk + (steps-1)*topk^2 + 1, "
-        "what EAGLE-2's search ranks; with topk 1 exactly steps + 1).",
+        "what EAGLE-2's search ranks; with topk 1 exactly steps + 1). NGRAM: the max match window (12) when "
+        "left out, 4 on a CPU when no tree flag is given.",
         flags=("--speculative-num-draft-tokens", "--draft-tokens"), group="Speculative decoding"))
     speculative_token_map: Optional[str] = field(default=None, metadata=opt(
         "FR-Spec token map (torch.save'd list of token ids by frequency): restricts the draft lm_head. A local "
