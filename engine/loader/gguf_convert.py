@@ -174,13 +174,14 @@ def _write_tensors(path: Path, config, skeleton, dtype: torch.dtype, out: Path) 
             SafetensorsWriter(out / QUANT_FILE, 4 * count, longest) as stored:
         for tensor in reader.tensors:
             kind, data = tensor.tensor_type.name, tensor.data
-            order = _row_order(processor, tensor.name, data.shape[0], context) \
+            found = _row_order(processor, tensor.name, data.shape[0], context) \
                 if gguf_quant.decodable(kind) and data.ndim == 2 else None
-            if order is not None:
-                hf = names[order[0]]
+            if found is not None:
+                gguf_name, order = found
+                hf = names[gguf_name]
                 groups = gguf_quant.decode(data, kind, data.shape[0])
-                if order[1] is not None:
-                    groups = groups.map(lambda t: t[order[1]])
+                if order is not None:
+                    groups = groups.map(lambda t: t[order])
                 for suffix, t in zip(("", "_scale", "_min", "_super"), groups[1:]):
                     if t is not None:
                         stored.add(f"{hf}.q{groups.bits}{suffix}", t)
