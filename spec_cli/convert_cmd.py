@@ -92,17 +92,19 @@ def token_map(
 
         torch.set_num_threads(threads)
     if from_generations:
-        from engine.convert.corpus import load_prompts
+        from engine.convert.corpus import load_prompts, written_share
         from engine.convert.generate import Generation, generation_engine
 
         engine = generation_engine(model, gen_batch, max_new_tokens, dtype, device)
         written = {}
+        count = written_share(sources, num_prompts, magpie.sources(sources))
         for source in magpie.sources(sources):
-            count = magpie.share(sources, num_prompts)
             with _Bar(f"the target writing {count} prompts ({source})") as bar:
                 written[source], _ = magpie.write_prompts(
                     engine, count, magpie.settings(source, str(engine.model_dir)), gen_batch, bar.advance)
         prompts = load_prompts(sources, num_prompts, written)
+        if num_prompts and len(prompts) < num_prompts:
+            _err.print(f"-n {num_prompts}: {', '.join(sources)} hold {len(prompts)} prompts; counting those")
         model_dir, config, tokenizer, eos = engine.model_dir, engine.model_config, engine.tokenizer, engine.eos_ids
         with _Bar(f"generating answers to {len(prompts)} prompts (tokens)") as bar:
             counts = generation_counts(engine, prompts, Generation(max_new_tokens, temperature), gen_batch,

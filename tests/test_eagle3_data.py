@@ -13,7 +13,7 @@ import torch
 
 from engine.convert import ConvertError, generate
 from engine.convert import train_eagle3 as te
-from engine.convert.corpus import load_prompts
+from engine.convert.corpus import load_prompts, written_share
 from engine.convert.data_manifest import data_shards
 from engine.convert.train_eagle3 import Silent, _aux_layers, _data, train
 from engine.loader import load_config
@@ -153,10 +153,25 @@ def test_prompt_mixes_are_prefix_stable(tmp_path):
     written = [f"written request {i}" for i in range(400)]
     for sources in ([str(file)], ["instructions"], ["magpie", "instructions"], ["magpie", str(file), "instructions"]):
         def mix(n):
-            return load_prompts(sources, n, {"magpie": written[:magpie.share(sources, n)]})
+            return load_prompts(sources, n, {"magpie": written[:written_share(sources, n, magpie.sources(sources))]})
         longest = mix(300)
         for n in (1, 7, 64, 151):
             assert mix(n) == longest[:n], (sources, n)
+
+
+def test_magpie_fills_the_turns_of_sources_that_run_out(tmp_path):
+    """-n beyond what the fixed sources hold: magpie writes the rest, so the mix has -n prompts (it wrote
+    -n / sources before, and the run silently trained on fewer)."""
+    short, long = write_prompts(tmp_path / "short.txt", 10), write_prompts(tmp_path / "long.txt", 1000, seed=1)
+    assert written_share(["magpie", str(long)], 300, ["magpie"]) == 150          # its turn alone
+    # 10 rounds of three, then rounds of two: 145 rounds for 300 prompts.
+    assert written_share(["magpie", str(short), str(long)], 300, ["magpie"]) == 145
+    assert written_share(["magpie", str(short)], 300, ["magpie"]) == 290
+    assert written_share([str(short)], 300, []) == 0
+    written = [f"written request {i}" for i in range(400)]
+    for sources in (["magpie", str(short)], ["magpie", str(short), str(long)]):
+        prompts = load_prompts(sources, 300, {"magpie": written[:written_share(sources, 300, ["magpie"])]})
+        assert len(prompts) == 300 and len(set(prompts)) == 300
 
 
 def test_training_resumes_onto_grown_data(target, tmp_path):
@@ -261,3 +276,17 @@ def test_answers_that_are_not_the_targets_are_refused(target, tmp_path, monkeypa
     monkeypatch.setattr(eagle3_data, "take_sample", off_by_one)
     with pytest.raises(ConvertError, match="not what the target produces"):
         run_data(target, replace(opts, data_dir=tmp_path / "bad"))
+
+
+def test_a_larger_n_than_the_sources_hold_is_said(target, tmp_path):
+    prompts = write_prompts(tmp_path / "p.txt", 4)
+    opts = options(target, tmp_path / "head", prompts, num_prompts=6, gen_batch=2, max_new_tokens=4)
+    said = []
+
+    class Said(Silent):
+        def log(self, message):
+            said.append(message)
+
+    samples = _data(opts, target, _aux_layers(load_config(target), target), "cpu", Said())
+    assert len(samples) == 4
+    assert any(m.startswith("-n 6:") and "hold 4 prompts" in m for m in said), said

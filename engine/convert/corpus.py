@@ -58,6 +58,25 @@ def load_prompts(sources: list[str], num_prompts: Optional[int] = None,
     return mixed[:num_prompts] if num_prompts else mixed
 
 
+def written_share(sources: Sequence[str], num_prompts: Optional[int], written: Sequence[str]) -> int:
+    """How many prompts each source in `written` (made at run time: magpie.py) must hold for the first
+    `num_prompts` of the mix (1,024 by default): its turn among the sources, plus the turns of the other
+    sources once they run out (2,000 `instructions` beside magpie at -n 8000: magpie writes 6,000)."""
+    if not written:
+        return 0
+    want = num_prompts or 1024
+    held = [len(_prompts(s)) for s in sources if s not in written]
+    # The first `rounds` turns of every source give sum(min(len, rounds)) + len(written) * rounds prompts.
+    low, high = 0, want
+    while low < high:
+        rounds = (low + high) // 2
+        if sum(min(n, rounds) for n in held) + len(written) * rounds >= want:
+            high = rounds
+        else:
+            low = rounds + 1
+    return low
+
+
 def _prompts(source: str) -> list[str]:
     if source == INSTRUCTIONS:
         from engine.convert.instructions import instructions

@@ -61,11 +61,6 @@ def settings(source: str, model: str, seed: int = 0) -> MagpieSettings:
     return MagpieSettings(model, seed, openings=OPENINGS if source == TASKS else ())
 
 
-def share(sources: Sequence[str], num_prompts: Optional[int]) -> int:
-    """How many prompts magpie must write to fill its turn among the sources (1,024 in all by default)."""
-    return -(-(num_prompts or 1024) // len(sources))
-
-
 def user_turn_prefix(tokenizer) -> list[int]:
     """Token ids of the chat template's text before a (first) user message's content."""
     if not getattr(tokenizer, "chat_template", None):

@@ -189,7 +189,7 @@ def _aux_layers(config, target_dir) -> tuple[int, ...]:
 
 
 def _data(opts: TrainOptions, target_dir: Path, aux, device: str, progress: Progress) -> list[Sample]:
-    from engine.convert.corpus import load_prompts
+    from engine.convert.corpus import load_prompts, written_share
 
     engine = None
 
@@ -203,8 +203,8 @@ def _data(opts: TrainOptions, target_dir: Path, aux, device: str, progress: Prog
     spec = _data_spec(opts, target_dir, aux, device)
     check_settings(opts.data_path, spec)          # before magpie spends minutes writing prompts
     written = {}
+    count = written_share(opts.prompts, opts.num_prompts, magpie.sources(opts.prompts))
     for source in magpie.sources(opts.prompts):
-        count = magpie.share(opts.prompts, opts.num_prompts)
         progress.phase(f"the target writing {count} prompts ({source})", count)
         written[source] = ours = magpie.cached_prompts(
             opts.data_path / f"{source}.json", count, magpie.settings(source, str(target_dir), opts.seed),
@@ -212,6 +212,9 @@ def _data(opts: TrainOptions, target_dir: Path, aux, device: str, progress: Prog
         if len(ours) < count:
             progress.log(f"{source}: only {len(ours)} distinct requests of the {count} wanted")
     prompts = load_prompts(list(opts.prompts), opts.num_prompts, written)
+    if len(prompts) < opts.num_prompts:
+        progress.log(f"-n {opts.num_prompts}: {', '.join(opts.prompts)} hold {len(prompts)} prompts; training on "
+                     "those (add a source, e.g. --prompts magpie, for more)")
     manifest = open_data(opts.data_path, spec, prompts)
     stored, new_from = stored_prompts(manifest), None
     if stored < len(prompts):
