@@ -410,3 +410,48 @@ int spec_w4a8_linear(const struct spec_w4a8_layer *L, const void *x, int bf16, i
     }
     return 0;
 }
+
+/* q [N, K] (one byte a weight, or with `nibbles` two: byte k / 2's low nibble is weight k, its high one
+ * weight k + 1, as GGUF's 4-bit groups are stored) -> the weight layout above, [blocks][G][bits][64],
+ * rows past N zero. A group's vector j for row n is one 32-bit word (weights 4 j .. 4 j + 3, a byte
+ * each), so the layout is 16 x 8 words moved and masked per group. Against torch's permutes and copies
+ * over nibbles unpacked first, Qwen2.5-1.5B's Engine() start went from 5.3-5.4 to 4.0-4.3 s (2 EPYC cores). */
+void spec_w4a8_pack(const uint8_t *q, int nibbles, int64_t N, int64_t K, int bits, uint8_t *out, int threads) {
+    const int64_t G = K / GROUP, blocks = (N + NB - 1) / NB, row_bytes = nibbles ? K / 2 : K;
+    const uint32_t low4 = 0x0f0f0f0fu;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t g = 0; g < G; g++) {
+            uint32_t z[NB][8];              /* row n's vector j: its weights 4 j .. 4 j + 3, a byte each */
+            for (int n = 0; n < NB; n++) {
+                uint8_t w[GROUP] = {0};
+                if (b * NB + n < N) {
+                    const uint8_t *src = q + (b * NB + n) * row_bytes + g * (nibbles ? GROUP / 2 : GROUP);
+                    if (nibbles)
+                        for (int m = 0; m < GROUP / 2; m++) w[2 * m] = src[m] & 0x0f, w[2 * m + 1] = src[m] >> 4;
+                    else
+                        memcpy(w, src, GROUP);
+                }
+                memcpy(z[n], w, GROUP);
+            }
+            uint32_t *o = (uint32_t *)(out + (b * G + g) * 64 * bits);     /* vector c, row n: word 16 c + n */
+            for (int n = 0; n < NB; n++) {
+                if (bits == 8) {
+                    for (int j = 0; j < 8; j++) o[16 * j + n] = z[n][j];
+                    continue;
+                }
+                for (int c = 0; c < 4; c++) o[16 * c + n] = (z[n][c] & low4) | (z[n][c + 4] & low4) << 4;
+                if (bits == 5) {            /* vector j's high bit at bit j */
+                    uint32_t h = 0;
+                    for (int j = 0; j < 8; j++) h |= ((z[n][j] >> 4) & 0x01010101u) << j;
+                    o[64 + n] = h;
+                }
+                if (bits == 6)              /* vector 4 c + t's high 2 bits at bits 2 t */
+                    for (int c = 0; c < 2; c++) {
+                        uint32_t h = 0;
+                        for (int t = 0; t < 4; t++) h |= ((z[n][4 * c + t] >> 4) & 0x03030303u) << (2 * t);
+                        o[64 + 16 * c + n] = h;
+                    }
+            }
+        }
+}

@@ -27,6 +27,9 @@ def _declare(library: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     library.spec_w4a8_kernel.restype = ctypes.c_char_p
+    library.spec_w4a8_pack.restype = None
+    library.spec_w4a8_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                       ctypes.c_void_p, ctypes.c_int]
 
 
 _kernel = Kernel("cpu_w4a8.c", _declare,
@@ -53,31 +56,23 @@ def empty(out_features: int, in_features: int, bits: int, k_scales: bool = False
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, low: Optional[torch.Tensor], bits: int = 4,
-         sup: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [N, K] (values below 2**bits, K a multiple of 32) and scale/min [N, K / 32] -> the kernel's
+         sup: Optional[torch.Tensor] = None, nibbles: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [N, K] (values below 2**bits, K a multiple of 32; with `nibbles`, 4 bits two a byte as GGUF
+    stores them, [N, K / 2]: gguf_quant.pack) and scale/min [N, K / 32] -> the kernel's
     layout (kernels/cpu_w4a8.c): uint8 [blocks, G, bits, 64] (4, 5, 6 or 8 vectors), rows padded to
     blocks of 16 with zeros, and scales and mins: from floats, fp16 [blocks, G, 16] each; from Q4_K's or
     Q5_K's uint8 sc and m with `sup` its (d, dmin) [N, K / 256, 2], uint8 [blocks, G, 32] and fp16
     [blocks, K / 256, 32];
     6 bits, from Q6_K's int8 scales [N, K / 16] and `sup` d [N, K / 256, 1] (low None), int8
     [blocks, G, 32] and fp16 [blocks, K / 256, 16]."""
-    N, K = q.shape
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"w4a8 CPU kernel unavailable: {failure()}")
+    q = q.to(torch.uint8).contiguous()
+    N, K = q.shape[0], q.shape[1] * (2 if nibbles else 1)
     G, pad = K // GROUP, -N % 16
-    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad))
-    # [block, n, group, vector j, i] -> [block, group, j, n, i]
-    vectors = q.view(-1, 16, G, 8, 4).permute(0, 2, 3, 1, 4)
-    if bits == 8:
-        packed = vectors
-    else:
-        low4 = vectors & 0x0F
-        packed = low4[:, :, :4] | (low4[:, :, 4:] << 4)
-    if bits == 5:                                                           # vector j's in bit j
-        packed = torch.cat([packed, sum((vectors[:, :, j:j + 1] >> 4) << j for j in range(8))], 2)
-    if bits == 6:
-        high = (vectors >> 4).view(vectors.shape[0], G, 2, 4, 16, 4)            # vector 4 c + t
-        high = sum(high[:, :, :, t] << (2 * t) for t in range(4))
-        packed = torch.cat([packed, high], 2)
-    packed = packed.reshape(packed.shape[0], G, -1, 64).contiguous()
+    packed = torch.empty(-(-N // 16), G, bits, 64, dtype=torch.uint8)
+    lib.spec_w4a8_pack(q.data_ptr(), nibbles, N, K, bits, packed.data_ptr(), torch.get_num_threads())
 
     def per_block(t: torch.Tensor) -> torch.Tensor:
         """[N, C, F] -> [blocks, C, F * 16]: per column, F vectors of a block's 16 rows."""

@@ -58,6 +58,16 @@ def test_kernel_matches_the_reference(n, k, rows, dtype, form):
     assert (y.double() - expected).abs().max() <= tolerance * expected.abs().max()
 
 
+@pytest.mark.parametrize("form, n", [("4", 40), ("Q4_K", 40), ("4", 16)])
+def test_gguf_nibbles_pack_as_their_weights_do(form, n):
+    """4-bit weights two a byte, as a GGUF stores them (what the loader passes), give the layout of the
+    same weights one a byte."""
+    q, scale, low, sup, _ = layer(n, 256, seed=3, form=form)
+    nibbles = gguf_quant.pack(q.numpy())
+    for got, want in zip(cpu_w4a8.pack(nibbles, scale, low, 4, sup, nibbles=True), packed(q, scale, low, sup, form)):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
 def test_bf16_results_are_the_fp32_results_rounded_as_torch_rounds(bias_dtype):
     """The same activations in bf16 and in fp32 give the same sums; the bf16 result (full blocks of 16

@@ -89,16 +89,17 @@ class W4A8Linear(nn.Module):
 
     def __init__(self, groups: Callable[[int, int], tuple], out_features: int, in_features: int,
                  bias: Optional[nn.Parameter], k_scales: bool = False):
-        """groups(r0, r1) -> (q, scale, min, per-256 scales or None) of rows r0:r1 (q below 2**bits, scale
-        and min per group of 32; with k_scales Q4_K's or Q5_K's own, for 6 bits Q6_K's: cpu_w4a8.pack),
-        packed into the kernel's layout slice by slice."""
+        """groups(r0, r1) -> (q, scale, min, per-256 scales or None) of rows r0:r1 (q below 2**bits, 4 bits
+        one or two a byte, scale and min per group of 32; with k_scales Q4_K's or Q5_K's own, for 6 bits
+        Q6_K's: cpu_w4a8.pack), packed into the kernel's layout slice by slice."""
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
         weight, scale, low = cpu_w4a8.empty(out_features, in_features, self.bits, k_scales)
         for r0 in range(0, out_features, self.SLICE):
             b0, b1 = r0 // 16, -(-min(r0 + self.SLICE, out_features) // 16)
             q, part_scale, part_low, sup = groups(r0, r0 + self.SLICE)
-            weight[b0:b1], scale[b0:b1], low[b0:b1] = cpu_w4a8.pack(q, part_scale, part_low, self.bits, sup)
+            weight[b0:b1], scale[b0:b1], low[b0:b1] = cpu_w4a8.pack(q, part_scale, part_low, self.bits, sup,
+                                                                    nibbles=q.shape[1] * 2 == in_features)
         self.register_buffer("weight_packed", weight, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
         self.register_buffer("low", low, persistent=False)
@@ -111,7 +112,7 @@ class W4A8Linear(nn.Module):
         their own scales (per-256 d and dmin)."""
         def rows(r0: int, r1: int) -> tuple:
             part = groups.map(lambda t: t[r0:r1])
-            return unpack(part.q) if part.bits == 4 else part.q, part.scale, part.low, part.super
+            return part.q, part.scale, part.low, part.super
 
         k_scales = groups.super is not None and groups.super.shape[-1] == 2
         return cls(rows, groups.q.shape[0], groups.columns, bias, k_scales)
