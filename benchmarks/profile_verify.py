@@ -1,12 +1,14 @@
 """Where a verify forward's time goes: each C kernel's share of a 1-token and an n-token forward.
 
-    python benchmarks/profile_verify.py --model smollm2-135m [--tokens 8] [--cached 512]
+    python benchmarks/profile_verify.py --model smollm2-135m [--tokens 8] [--cached 512] [--fused]
 
 The target with spec's defaults (a GGUF's w4a8 layers on a CPU with VNNI, bf16), one request's chain
 of --tokens after --cached tokens (the padding row, as bench_llamacpp.py's verify cost), logits for
 every token, as the worker verifies. The layers run eager, one kernel call at a time, so each call can
 be timed; they are the kernels the fused layer (kernels/cpu_decoder.c) calls, in the same order, so
 the shares hold for it, without the per-call costs it removes. Medians of 12 forwards. Run it alone.
+With --fused, the forwards run as spec serves them (each layer one C call) and only their totals are
+printed: what to compare between two commits.
 """
 
 from __future__ import annotations
@@ -29,14 +31,16 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--cached", type=int, default=512)
+    ap.add_argument("--fused", action="store_true", help="time the served forwards, totals only")
     a = ap.parse_args()
 
     import engine.models.fused_decode as fused_decode
     from engine import Engine
     from spec_kernels import cpu_attention, cpu_elementwise, cpu_w4a8
 
-    fused_decode.plan = lambda *args, **kw: None          # eager layers: one timed call per kernel
     spent: collections.Counter = collections.Counter()
+    if not a.fused:
+        fused_decode.plan = lambda *args, **kw: None          # eager layers: one timed call per kernel
 
     class Timed:
         def __init__(self, lib):
@@ -52,7 +56,7 @@ def main() -> None:
                 return out
             return timed
 
-    for mod in (cpu_w4a8, cpu_attention, cpu_elementwise):
+    for mod in () if a.fused else (cpu_w4a8, cpu_attention, cpu_elementwise):
         wrapped = Timed(mod.library())
         mod.library = lambda wrapped=wrapped: wrapped
     eng = Engine(model_path=a.model, max_total_tokens=a.cached + 2 * a.tokens + 64, context_length=a.cached + 64)
@@ -69,6 +73,8 @@ def main() -> None:
                     runs.append((time.perf_counter() - t, dict(spent)))
         total = statistics.median(r[0] for r in runs)
         print(f"{n} token(s): {total * 1e3:.2f} ms")
+        if a.fused:
+            return total
         kernels = {name: statistics.median(r[1].get(name, 0.0) for r in runs) for name in runs[0][1]}
         for name, spent_ms in sorted(kernels.items(), key=lambda item: -item[1]):
             print(f"  {name}: {spent_ms * 1e3:.3f} ms")
