@@ -304,11 +304,13 @@ static void weights_bf16(const float *p, int64_t n, uint16_t *pb) {
  * key j + 2i in its low half and of key j + 2i + 1 in its high half (zero past the last key). */
 static void value_pairs(const Problem *P, int h, const int64_t *slots, int64_t j, int m, uint32_t *out) {
     static const uint16_t zeros[MAX_HEAD_DIM];
+    /* word i: dimension i (16 + i) of the first vector, then of the second */
+    static const uint16_t ilo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                     8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    static const uint16_t ihi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                     24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
     const int D = P->D;
-    __m512i lo, hi;
-    uint16_t ilo[32], ihi[32];
-    for (int i = 0; i < 16; i++) ilo[2 * i] = i, ilo[2 * i + 1] = 32 + i, ihi[2 * i] = 16 + i, ihi[2 * i + 1] = 48 + i;
-    lo = _mm512_loadu_si512(ilo), hi = _mm512_loadu_si512(ihi);
+    const __m512i lo = _mm512_loadu_si512(ilo), hi = _mm512_loadu_si512(ihi);
     for (int i = 0; i < m; i += 2) {
         const uint16_t *a = (const uint16_t *)P->v_pool + (slots[j + i] * P->Hkv + h) * D;
         const uint16_t *b = i + 1 < m ? (const uint16_t *)P->v_pool + (slots[j + i + 1] * P->Hkv + h) * D : zeros;
@@ -384,6 +386,20 @@ static void sum_value_pairs(const Problem *P, int h, const uint16_t *pb, int64_t
 }
 #endif
 
+/* acc[r] += the weighted values of keys [j0, j1) for rows [r0, r1): by pairs of keys from the bf16
+ * weights pb where the pool is paired, else from the fp32 weights in scores. */
+static void add_values(const Problem *P, int h, const float *scores, const uint16_t *pb, int r0, int r1,
+                       const int64_t *slots, int64_t j0, int64_t j1, float *acc, float *rows) {
+#if PAIRS
+    if (P->pairs) {
+        sum_value_pairs(P, h, pb, pb_stride(P), r0, r1, slots, j0, j1, acc, (uint32_t *)rows);
+        return;
+    }
+#endif
+    (void)pb;
+    sum_values(P, h, scores, r0, r1, slots, j0, j1, acc, rows);
+}
+
 /* Tokens [t0, t1), which all see their first `shared` keys (the same slots), with KV head h: those keys
  * are read once for all of them. Scratch: scores [rows, max_kv], qrows (the queries: bf16 as stored when
  * pairs, else fp32) and acc [rows, D], sums [rows], rows [KEY_BLOCK, D] for converted keys and values. */
@@ -410,21 +426,12 @@ static void attend_item(const Problem *P, int64_t t0, int64_t t1, int64_t shared
         if (P->pairs) weights_bf16(s, n, pb + (int64_t)r * pb_stride(P));
 #endif
     }
-#if PAIRS
-    if (P->pairs) {
-        const int64_t even = shared & ~(int64_t)1, stride = pb_stride(P);
-        sum_value_pairs(P, h, pb, stride, 0, R, P->kv_index + t0 * P->max_kv, 0, even, acc, (uint32_t *)rows);
-        for (int64_t t = t0; t < t1; t++)
-            sum_value_pairs(P, h, pb, stride, (int)(t - t0) * G, (int)(t - t0 + 1) * G, P->kv_index + t * P->max_kv,
-                            even, P->kv_len[t], acc, (uint32_t *)rows);
-    } else
-#endif
-    {
-        sum_values(P, h, scores, 0, R, P->kv_index + t0 * P->max_kv, 0, shared, acc, rows);
-        for (int64_t t = t0; t < t1; t++)
-            sum_values(P, h, scores, (int)(t - t0) * G, (int)(t - t0 + 1) * G, P->kv_index + t * P->max_kv, shared,
-                       P->kv_len[t], acc, rows);
-    }
+    /* Pairs of keys must not straddle the split: it falls on an even position for them. */
+    const int64_t split = P->pairs ? shared & ~(int64_t)1 : shared;
+    add_values(P, h, scores, pb, 0, R, P->kv_index + t0 * P->max_kv, 0, split, acc, rows);
+    for (int64_t t = t0; t < t1; t++)
+        add_values(P, h, scores, pb, (int)(t - t0) * G, (int)(t - t0 + 1) * G, P->kv_index + t * P->max_kv, split,
+                   P->kv_len[t], acc, rows);
     for (int r = 0; r < R; r++) {
         const int64_t o = ((t0 + r / G) * P->H + (int64_t)h * G + r % G) * D;
         const float *a = acc + (int64_t)r * D, sum = sums[r];
