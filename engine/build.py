@@ -159,11 +159,11 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
 def build_worker(args: ServerArgs, runner: ModelRunner, kv: KVManager, eos_ids, draft: Optional[nn.Module] = None,
                  drafter=None):
     """The worker for `args`: with `drafter` (one already loaded), or a new drafter over `draft`."""
-    from engine.speculative.factory import create_drafter, uses_rejection
+    from engine.speculative.factory import create_drafter, unseeded_rule
     from engine.worker import Worker
 
     if drafter is None:
         drafter = create_drafter(args, draft, runner.model, kv.capacity, kv.table.shape[0], kv.table, eos_ids)
     tokens = args.speculative_num_draft_tokens if drafter else 1
-    return Worker(runner, kv.table, eos_ids, drafter, tokens, uses_rejection(args),
+    return Worker(runner, kv.table, eos_ids, drafter, tokens, unseeded_rule(args),
                   args.speculative_attention_mode == "decode")

@@ -127,10 +127,16 @@ class ServerArgs:
         "CUDA graphs. flashinfer: accepted as SGLang spells it, refused until it lands. auto: torch.",
         group="Memory and scheduling", choices=("auto", "torch", "triton", "flashinfer")))
     enable_deterministic_inference: bool = field(default=False, metadata=opt(
-        "Batch-invariant prefill too (SGLang's flag; CPU): prompts attend through the same fixed-order kernel "
-        "as decode steps, so an output no longer depends on what else was batched, how the prompt was "
-        "chunked or how much of it was cached: greedy output under load equals the prompt run alone. Costs "
-        "prefill speed on long prompts (the kernel has no GEMMs). Decode steps are batch-invariant always.",
+        "SGLang's flag, on by default on the CPU: prompts are prefilled through the same batch-invariant "
+        "kernel as decode steps, so an output does not depend on what else was batched, how the prompt was "
+        "chunked or how much of it was cached (greedy output under load, and a repeated request served from "
+        "the radix cache, equal the request run alone). Given explicitly it is an error where it cannot act "
+        "(a GPU, another --attention-backend, no C compiler).",
+        group="Memory and scheduling"))
+    disable_deterministic_inference: bool = field(default=False, metadata=opt(
+        "Prefill prompts with SDPA instead (faster on long prompts, the kernel has no GEMMs): an output may "
+        "then change in its last bits with the batch, the chunking and the cached prefix. Decode steps stay "
+        "batch-invariant, so speculative output still equals plain decoding's.",
         group="Memory and scheduling"))
     num_threads: Optional[int] = field(default=None, metadata=opt(
         "CPU threads for torch. Default: torch's choice (all cores).", group="Memory and scheduling"))
@@ -184,10 +190,16 @@ class ServerArgs:
         "decode (every tree node a decode row reading its path; what CUDA graphs capture). Same tokens.",
         group="Speculative decoding", choices=("prefill", "decode")))
     speculative_sampling: str = field(default="auto", metadata=opt(
-        "Acceptance rule when sampling: tree (SGLang's tree speculative sampling, drafts treated as "
-        "deterministic), rejection (min(1, p/q) with the draft's probabilities; chain drafts, topk 1). "
-        "auto: rejection for chains with a draft model, else tree.",
-        group="Speculative decoding", choices=("auto", "tree", "rejection")))
+        "How sampled tokens are verified; all rules draw exactly from the target's distribution. coupled: each "
+        "tree node draws the target's token as plain decoding draws it at that output position (from the "
+        "request's seed and the position), and a draft is accepted when it equals that draw: the output is "
+        "plain decoding's token for token, under every algorithm and tree, and a seeded request repeats "
+        "exactly (model drafts sample with the same uniforms). tree: SGLang's tree speculative sampling "
+        "(drafts treated as deterministic). rejection: min(1, p/q) with the draft's probabilities (chains with "
+        "a draft model, topk 1). tree and rejection read uniforms that depend on the drafts, so their output "
+        "changes with the drafts. A request that gives a seed is always coupled; this picks the rule for the "
+        "others. auto: coupled.",
+        group="Speculative decoding", choices=("auto", "coupled", "tree", "rejection")))
     enable_multi_layer_eagle: bool = field(default=False, metadata=opt(
         "On a model with several MTP layers (MiMo-V2's mtp_layers, DeepSeek-style nextn layers), draft step k "
         "runs MTP layer k instead of the first layer at every step, as SGLang does. A chain (topk 1) of at most "
@@ -267,6 +279,7 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         self._check_ranges()
+        self._check_determinism()
         self._resolve_overlap()
         self._check_speculative()
         self._check_parallelism()
@@ -303,6 +316,11 @@ class ServerArgs:
             raise ConfigError("--speculative-ngram-min-match-window-size must not exceed the max window size.")
         if self.speculative_ngram_min_bfs_breadth > self.speculative_ngram_max_bfs_breadth:
             raise ConfigError("--speculative-ngram-min-bfs-breadth must not exceed the max bfs breadth.")
+
+    def _check_determinism(self) -> None:
+        if self.enable_deterministic_inference and self.disable_deterministic_inference:
+            raise ConfigError("--enable-deterministic-inference and --disable-deterministic-inference contradict each "
+                              "other; pass one.")
 
     def _resolve_overlap(self) -> None:
         if self.enable_overlap_schedule and self.disable_overlap_schedule:
@@ -454,7 +472,22 @@ class ServerArgs:
             log.info("auto tree%s: %d steps, topk %d, %d draft tokens (pass all three tree flags to choose; "
                      "spec tune finds the fastest)", " on a CPU" if device == "cpu" else "", steps, topk, tokens)
             changes.update(zip(_TREE_FIELDS, (steps, topk, tokens)))
+        if device == "cpu" and not self.enable_deterministic_inference and not self.disable_deterministic_inference:
+            changes.update(self._deterministic_default())
         return dataclasses.replace(self, **changes) if changes else self
+
+    def _deterministic_default(self) -> dict[str, Any]:
+        """Deterministic inference on a CPU unless turned off: on where its kernel builds, else said."""
+        if self.attention_backend not in ("auto", "torch"):
+            return {}
+        from spec_kernels import cpu_attention
+
+        if cpu_attention.library() is None:
+            log.warning("deterministic inference is off: the CPU attention kernel could not be built (%s); an "
+                        "output may change in its last bits with batching, chunking and the radix cache",
+                        cpu_attention.failure())
+            return {}
+        return {"enable_deterministic_inference": True}
 
     def _multi_layer(self, layers: int) -> dict[str, Any]:
         """Multi-layer MTP drafting for a target with `layers` MTP layers of its own (0 when the draft is a

@@ -25,6 +25,7 @@ from engine.distributed import group as tp_group
 from engine.errors import ConfigError, RequestError
 from engine.grammar import GrammarBackend
 from engine.request import Request
+from engine.sampling import choice_seed
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class Engine:
         if self.has_work:
             raise ConfigError("set_speculative runs between requests only; finish or abort the running ones first.")
         from engine.build import build_worker, resolve_args
-        from engine.speculative.factory import uses_rejection
+        from engine.speculative.factory import unseeded_rule
 
         if self._tp:
             self._tp.set_speculative(changes)      # every rank loads the same draft
@@ -128,7 +129,7 @@ class Engine:
         key = _draft_key(args)
         drafter = self._drafters.get(key)
         if drafter is not None:
-            drafter.set_tree(args.speculative_tree, uses_rejection(args))
+            drafter.set_tree(args.speculative_tree, unseeded_rule(args))
             worker = build_worker(args, self._target, self._kv, self.eos_ids, drafter=drafter)
         else:
             if _has_draft_model(args):
@@ -224,11 +225,13 @@ class Engine:
 
     def make_choices(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None,
                      **options: Any) -> list[Request]:
-        """One Request per choice (`params.n`); choice k of a seeded request samples with seed + k.
+        """One Request per choice (`params.n`); choice k of a seeded request samples with
+        choice_seed(seed, k), a stream of its own.
         `options`: make_request's keyword arguments."""
         if params.constraint and options.get("grammar") is None:
             options["grammar"] = self.compile_grammar(params)           # once for all choices
-        return [self.make_request(prompt_ids, dataclasses.replace(params, seed=None if params.seed is None else params.seed + k),
+        return [self.make_request(prompt_ids, dataclasses.replace(params, seed=None if params.seed is None
+                                                                  else choice_seed(params.seed, k)),
                                   rid=None if rid is None else f"{rid}-{k}", **options)
                 for k in range(params.n)]
 

@@ -4,9 +4,13 @@ A row is one position to sample from. Rows come in runs, one run per request (on
 one per tree node in verification): `SamplingBatch` holds the requests' settings as tensors expanded to
 rows, with each row's depth below the request's newest token (a tree node's path of draft tokens counts
 towards penalties and min_new_tokens). `probs` gives the exact distribution a row samples from;
-`sample_from_probs` draws from it by inverse CDF with a uniform from `uniforms`, a counter-based hash of
-(seed, output position, stream), so a request's randomness depends only on its seed and position,
-never on batching, preemption or speculation.
+`sample` draws from it by Gumbel-max with noise keyed by (seed, output position)
+(kernels/cpu_keyed_sample.c): the token is a function of the row's distribution, the seed and the
+position alone, never of batching, preemption or speculation, so verification reproduces plain
+decoding's draws node by node (speculative/verify.py, the coupled rule), and a draft sampled from its
+own distribution with the same key agrees with the target's draw when the two are close.
+`sample_from_probs` draws by inverse CDF with a uniform of (seed, position, stream), for the rules
+whose draws depend on the drafts (tree and rejection sampling).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from spec_kernels.cpu_argmax import argmax
+from spec_kernels.cpu_keyed_sample import GOLDEN, keyed_sample, mix, shr
 
 
 class Sampled(Protocol):
@@ -76,17 +81,21 @@ class SamplingBatch:
         """Output position each row samples: the request's generated count plus the row's depth."""
         return self._row("out", [len(r.token_ids) - r.prompt_len for r in self.reqs], torch.int64) + self.depth
 
-    def uniforms(self, stream) -> torch.Tensor:
-        """One uniform per row, at the row's output position."""
-        return uniforms(self._row("seed", [r.seed for r in self.reqs], torch.int64), self.positions, stream)
+    def keys(self) -> torch.Tensor:
+        """One sampling key per row, at the row's output position (stream 0: the target's draws)."""
+        return keys(self._row("seed", [r.seed for r in self.reqs], torch.int64), self.positions, 0)
 
-    def request_uniforms(self, depth: torch.Tensor, stream) -> torch.Tensor:
-        """Uniforms per request at `depth` [B] or [B, K] tokens past its newest."""
+    def request_keys(self, depth: torch.Tensor, stream) -> torch.Tensor:
+        """Keys per request at `depth` [B] or [B, K] tokens past its newest."""
         self._row("seed", [r.seed for r in self.reqs], torch.int64)
         self._row("out", [len(r.token_ids) - r.prompt_len for r in self.reqs], torch.int64)
         shape = (-1,) + (1,) * (depth.dim() - 1)
         seeds, out = self._per_req["seed"].view(shape), self._per_req["out"].view(shape)
-        return uniforms(seeds.expand_as(depth), out + depth, stream)
+        return keys(seeds.expand_as(depth), out + depth, stream)
+
+    def request_uniforms(self, depth: torch.Tensor, stream) -> torch.Tensor:
+        """Uniforms per request at `depth` [B] or [B, K] tokens past its newest."""
+        return uniform(self.request_keys(depth, stream))
 
     # ------------------------------------------------------------------ logits to distributions
     def adjust(self, logits: torch.Tensor) -> torch.Tensor:
@@ -202,11 +211,12 @@ class SamplingBatch:
         values, ids = lp.topk(min(top_n, lp.shape[-1]), dim=-1)
         return torch.cat([chosen, values.double(), ids.double()], dim=1)
 
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """Next token per row [R]: the argmax for greedy rows, a draw (stream 0) for the others."""
+    def sample(self, logits: torch.Tensor, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Next token per row [R]: the argmax for greedy rows, the keyed draw for the others from
+        `probs` (self.probs(logits) when not given)."""
         if self.all_greedy:
             return argmax(self.adjust(logits))
-        return sample_from_probs(self.probs(logits), self.uniforms(0))
+        return keyed_sample(self.probs(logits) if probs is None else probs, self.keys())
 
 
 def _one_hot(ids: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -223,28 +233,23 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------- randomness
-# splitmix64 on int64 tensors: multiplication wraps modulo 2**64 as on uint64; a right shift is made
-# logical by masking the sign extension. The constants are splitmix64's, as signed int64.
-_GOLDEN = 0x9E3779B97F4A7C15 - 2 ** 64
-_MIX1 = 0xBF58476D1CE4E5B9 - 2 ** 64
-_MIX2 = 0x94D049BB133111EB - 2 ** 64
+def keys(seeds: torch.Tensor, positions: torch.Tensor, stream) -> torch.Tensor:
+    """A 64-bit key per row (int64), fixed by (seed, output position, stream): splitmix64 twice."""
+    h = mix(seeds.to(torch.int64) * GOLDEN + positions.to(torch.int64))
+    return mix(h + (torch.as_tensor(stream, dtype=torch.int64, device=h.device) + 1) * GOLDEN)
 
 
-def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
-    return (x >> k) & ((1 << (64 - k)) - 1)
+def uniform(key: torch.Tensor) -> torch.Tensor:
+    """The uniform in [0, 1) (float64) of each key."""
+    return shr(key, 11).double() * 2.0 ** -53
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    x = (x ^ _shr(x, 30)) * _MIX1
-    x = (x ^ _shr(x, 27)) * _MIX2
-    return x ^ _shr(x, 31)
-
-
-def uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream) -> torch.Tensor:
-    """A uniform in [0, 1) per row (float64), fixed by (seed, output position, stream)."""
-    h = _mix(seeds.to(torch.int64) * _GOLDEN + positions.to(torch.int64))
-    h = _mix(h + (torch.as_tensor(stream, dtype=torch.int64, device=h.device) + 1) * _GOLDEN)
-    return _shr(h, 11).double() * 2.0 ** -53
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed choice `choice` of an n-choice request samples with: the request's own for the first, a
+    hash of (seed, choice) for the others, so that no two (seed, choice) pairs share a stream."""
+    if choice == 0:
+        return seed
+    return int(keys(torch.tensor([seed]), torch.tensor([choice]), -1))
 
 
 # Reported instead of -inf (a token the grammar or min_new_tokens rules out): JSON has no infinity.

@@ -22,17 +22,18 @@ from engine.grammar import row_bitmask
 from engine.sampling import PathTokens, SamplingBatch, unpack_logprobs
 from engine.speculative.drafter import Drafter
 from engine.speculative.tree import TreeBatch
-from engine.speculative.verify import verify
+from engine.speculative.verify import sampling_rule, verify
 from engine.step import DecodeStep, PrefillStep, StepResult
 from spec_kernels import cpu_argmax
 
 
 class Worker:
     def __init__(self, target: ModelRunner, table: torch.Tensor, eos_ids: Sequence[int],
-                 drafter: Optional[Drafter] = None, num_draft_tokens: int = 1, rejection: bool = False,
+                 drafter: Optional[Drafter] = None, num_draft_tokens: int = 1, sampling: str = "coupled",
                  tree_as_decode: bool = False):
         self.target, self.table, self.eos_ids = target, table, list(eos_ids)
-        self.drafter, self.num_draft_tokens, self.rejection = drafter, num_draft_tokens, rejection
+        # sampling: the verification rule of sampled requests that gave no seed (speculative/verify.py).
+        self.drafter, self.num_draft_tokens, self.sampling = drafter, num_draft_tokens, sampling
         # --speculative-attention-mode decode: every tree node is a decode row of its own.
         self.tree_as_decode = tree_as_decode
         self.capture: tuple[int, ...] = ()          # hidden states to return per request (Request.captured)
@@ -116,8 +117,7 @@ class Worker:
         sb = SamplingBatch(reqs, self.eos_ids, device, rows_per_req=tree.sizes, depth=flat(depth),
                            paths=PathTokens(tree.ancestors, tree.tokens) if tree.width > 1 else None,
                            bitmask=row_bitmask(reqs, tree.sizes, out.logits.shape[-1], *grammar_trees))
-        rejection = [self.rejection and tree.draft_probs is not None and not r.params.greedy for r in reqs]
-        accepted = verify(tree, out.logits, sb, rejection)
+        accepted = verify(tree, out.logits, sb, [sampling_rule(r, self.sampling) for r in reqs])
         path_tokens = tree.tokens.gather(1, accepted.index)
         width = accepted.index.shape[1]
         rows = None

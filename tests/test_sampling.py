@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import RequestError
-from engine.sampling import SamplingBatch, sample_from_probs, uniforms
+from engine.sampling import SamplingBatch, keys, sample_from_probs, uniform
 from engine.sampling_params import SamplingParams
 from tests.tiny import target_probs
 
@@ -87,6 +87,41 @@ def test_inverse_cdf_draw_follows_distribution():
     assert int(sample_from_probs(torch.tensor([[0.3, 0.7, 0.0]]), torch.tensor([0.999999]))) == 1
 
 
+@pytest.mark.parametrize("kw", [{"temperature": 1.0}, {"temperature": 0.7}, {"temperature": 1.3, "top_k": 3},
+                                {"temperature": 0.9, "top_p": 0.8}, {"temperature": 1.0, "min_p": 0.3}])
+def test_keyed_draws_follow_the_processed_distribution(kw):
+    """SamplingBatch.sample's keyed Gumbel-max draw, one request per key, is an exact sample of the row's
+    distribution after temperature, top-k, top-p and min-p."""
+    n = 20000
+    logits = torch.log(torch.tensor([[0.35, 0.25, 0.2, 0.1, 0.06, 0.04]]))
+    params = SamplingParams(**kw)
+    reqs = [SimpleNamespace(params=params, token_ids=[1, 2], prompt_len=1, seed=s) for s in range(n)]
+    sb = SamplingBatch(reqs, [], "cpu")
+    draws = sb.sample(logits.expand(n, -1))
+    expected = target_probs(logits, params, [])[0].double()
+    counts = torch.bincount(draws, minlength=6).double()
+    assert counts[expected == 0].sum() == 0
+    keep = expected > 0
+    assert chisquare(counts[keep], expected[keep] / expected[keep].sum() * n).pvalue > 0.001
+
+
+@pytest.mark.parametrize("vocab", [5, 8, 1000, 49152])
+def test_keyed_sample_kernel_equals_its_torch_reference(vocab):
+    """The C kernel's early exits skip only tokens that cannot win: it draws the reference's token, for
+    peaked, flat and truncated rows alike (a vocabulary not a multiple of the kernel's lanes too)."""
+    from spec_kernels import cpu_keyed_sample
+
+    if cpu_keyed_sample._kernel.library() is None:
+        pytest.fail(f"the keyed-sampling kernel did not build: {cpu_keyed_sample._kernel.failure()}")
+    g = torch.Generator().manual_seed(vocab)
+    rows = [torch.softmax(torch.randn(32, vocab, generator=g) * scale, -1) for scale in (0.1, 3.0, 12.0)]
+    truncated = rows[1].clone()
+    truncated[truncated < truncated.max(-1, keepdim=True).values * 0.2] = 0
+    probs = torch.cat(rows + [truncated, torch.full((4, vocab), 1.0 / vocab)])
+    k = torch.randint(-2 ** 63, 2 ** 63 - 1, (probs.shape[0],), generator=g)
+    assert cpu_keyed_sample.keyed_sample(probs, k).tolist() == cpu_keyed_sample.reference(probs, k).tolist()
+
+
 def _splitmix_reference(seed: int, position: int, stream: int) -> float:
     """The uniform hash in plain Python integers (mod 2**64), to pin the tensor version down."""
     mask, golden = 2 ** 64 - 1, 0x9E3779B97F4A7C15
@@ -103,9 +138,9 @@ def _splitmix_reference(seed: int, position: int, stream: int) -> float:
 
 def test_uniforms_are_a_fixed_hash_of_seed_position_stream():
     seeds, pos = torch.tensor([0, 1, 2 ** 62, -5]), torch.tensor([0, 7, 3, 2 ** 40])
-    got = uniforms(seeds, pos, 3).tolist()
+    got = uniform(keys(seeds, pos, 3)).tolist()
     assert got == [_splitmix_reference(s % 2 ** 64, p, 3) for s, p in zip(seeds.tolist(), pos.tolist())]
-    many = uniforms(torch.zeros(20000, dtype=torch.long), torch.arange(20000), 0)
+    many = uniform(keys(torch.zeros(20000, dtype=torch.long), torch.arange(20000), 0))
     assert 0 <= many.min() and many.max() < 1 and abs(many.mean().item() - 0.5) < 0.01
     assert chisquare(torch.histc(many.float(), 10, 0, 1).tolist()).pvalue > 0.001
 

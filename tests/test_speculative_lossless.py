@@ -190,27 +190,54 @@ def chi_square_p(counts: torch.Tensor, expected: torch.Tensor) -> float:
     return chisquare(o, e / e.sum() * o.sum()).pvalue
 
 
+def _sampled_pairs(eng: Engine, sampling: dict, seeded: bool) -> torch.Tensor:
+    """Counts of the first two output tokens over SAMPLES requests of one prompt."""
+    params = {**sampling, "max_new_tokens": 2, "ignore_eos": True}
+    outs = eng.generate(input_ids=[SAMPLE_PROMPT] * SAMPLES,
+                        sampling_params=[{**params, "seed": 1000 + i} if seeded else params for i in range(SAMPLES)])
+    counts = torch.zeros(VOCAB, VOCAB)
+    for o in outs:
+        a, b = o["output_ids"]
+        counts[a, b] += 1
+    return counts
+
+
+SAMPLE_PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
+
+
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 3, "top_p": 0.9}],
                          ids=["plain", "topk-topp"])
 @pytest.mark.parametrize("shape", [(3, 1, 4), (2, 3, 6)], ids=["chain", "tree"])
 def test_sampling_matches_target_distribution(algo, sampling, shape, small_target, tmp_path):
+    """Seeded requests (the coupled rule): the output is the target's distribution, and each request's
+    tokens are plain decoding's for its seed."""
     pytest.importorskip(_module_for(algo))
     steps, topk, tokens = shape
     kw = {"model_path": str(small_target), **draft_setup(algo, small_target, tmp_path, vocab=VOCAB)}
     eng = Engine(dtype="float32", max_total_tokens=32768, max_running_requests=256, speculative_algorithm=algo,
                  speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens, **kw)
-    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
-    params = {**sampling, "max_new_tokens": 2, "ignore_eos": True}
-    outs = eng.generate(input_ids=[prompt] * SAMPLES,
-                        sampling_params=[{**params, "seed": 1000 + i} for i in range(SAMPLES)])
-    counts = torch.zeros(VOCAB, VOCAB)
-    for o in outs:
-        a, b = o["output_ids"]
-        counts[a, b] += 1
-    expected = exact_two_token_distribution(small_target, prompt, SamplingParams(**sampling))
+    counts = _sampled_pairs(eng, sampling, seeded=True)
+    expected = exact_two_token_distribution(small_target, SAMPLE_PROMPT, SamplingParams(**sampling))
     assert chi_square_p(counts, expected) > 0.001
-    assert eng.stats()["avg_spec_accept_length"] > 1.2, "drafts were accepted: the test exercised verification"
+    assert eng.stats()["avg_spec_accept_length"] > 1.1, "drafts were accepted: the test exercised verification"
+    plain = Engine(model_path=kw["model_path"], dtype="float32", max_total_tokens=32768, max_running_requests=256)
+    assert torch.equal(_sampled_pairs(plain, sampling, seeded=True), counts)
+
+
+@pytest.mark.parametrize("algo, rule", [("NGRAM", "tree"), ("STANDALONE", "tree"), ("STANDALONE", "rejection")])
+def test_unseeded_rules_match_target_distribution(algo, rule, small_target, tmp_path):
+    """Requests without a seed under --speculative-sampling tree or rejection: still the target's
+    distribution (their draws depend on the drafts, so only the distribution is compared)."""
+    kw = {"model_path": str(small_target), **draft_setup(algo, small_target, tmp_path, vocab=VOCAB)}
+    eng = Engine(dtype="float32", max_total_tokens=32768, max_running_requests=256, speculative_algorithm=algo,
+                 speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+                 speculative_sampling=rule, **kw)
+    sampling = {"temperature": 0.8, "top_k": 3, "top_p": 0.9}
+    counts = _sampled_pairs(eng, sampling, seeded=False)
+    expected = exact_two_token_distribution(small_target, SAMPLE_PROMPT, SamplingParams(**sampling))
+    assert chi_square_p(counts, expected) > 0.001
+    assert eng.stats()["avg_spec_accept_length"] > 1.1
 
 
 # ---------------------------------------------------------------------------------------- multi-layer MTP

@@ -1,5 +1,6 @@
-"""Verification rules in isolation, on whole batches at once: greedy walks, and chi-square proofs that
-tree sampling and rejection sampling reproduce the target distribution exactly, whatever the draft.
+"""Verification rules in isolation, on whole batches at once: greedy walks, chi-square proofs that
+tree sampling and rejection sampling reproduce the target distribution exactly, whatever the draft, and
+that the coupled rule reproduces plain decoding's keyed draws token for token.
 Each sample is one request of a batch (its own seed), so one call verifies thousands of trees."""
 
 from __future__ import annotations
@@ -10,16 +11,17 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.sampling import SamplingBatch
+from engine.sampling import SamplingBatch, keys
 from engine.sampling_params import SamplingParams
 from engine.speculative.tree import DraftTree, TreeBatch
 from engine.speculative.verify import verify
+from spec_kernels.cpu_keyed_sample import keyed_sample
 
 V = 4
 SAMPLES = 10000
 
 
-def run_verify(trees: list[DraftTree], probs: list[torch.Tensor], *, draft_probs=None, rejection=False,
+def run_verify(trees: list[DraftTree], probs: list[torch.Tensor], *, draft_probs=None, rule="tree",
                temperature=1.0) -> list[tuple[list[int], int]]:
     """(accepted node indices, bonus) per tree; probs[b]: the target's distribution after each node."""
     batch = TreeBatch.from_trees(trees, "cpu")
@@ -28,7 +30,7 @@ def run_verify(trees: list[DraftTree], probs: list[torch.Tensor], *, draft_probs
     params = SamplingParams(temperature=temperature)
     reqs = [SimpleNamespace(params=params, token_ids=[1], prompt_len=1, seed=i) for i in range(len(trees))]
     sb = SamplingBatch(reqs, [], "cpu", rows_per_req=batch.sizes, depth=batch.depth[batch.valid])
-    acc = verify(batch, torch.cat(probs).log(), sb, [rejection] * len(trees))
+    acc = verify(batch, torch.cat(probs).log(), sb, [rule] * len(trees))
     return [(idx[:n], bonus) for idx, n, bonus in zip(acc.index.tolist(), acc.length.tolist(), acc.bonus.tolist())]
 
 
@@ -110,7 +112,7 @@ def test_rejection_sampling_is_exact():
     q = torch.stack([torch.zeros(SAMPLES, V), q_root.expand(SAMPLES, V), q_after[d1]], 1)
     probs = [torch.stack([p_root, p_after[a], torch.full((V,), 1.0 / V)]) for a in d1.tolist()]
     counts: dict = {}
-    for tree, (path, bonus) in zip(trees, run_verify(trees, probs, draft_probs=q, rejection=True)):
+    for tree, (path, bonus) in zip(trees, run_verify(trees, probs, draft_probs=q, rule="rejection")):
         key = _first_two(tree, path, bonus, p_after, gen)
         counts[key] = counts.get(key, 0) + 1
     assert _joint_test(counts, p_root[:, None] * p_after) > 0.001
@@ -124,6 +126,49 @@ def test_rejection_accepts_more_than_tree_sampling_for_a_good_sampled_draft():
     trees = [DraftTree.chain(7, [t]) for t in d]
     probs = [torch.stack([p, p])] * len(trees)
     q = torch.stack([torch.zeros(len(d), V), p.expand(len(d), V)], 1)
-    rejection = sum(len(path) - 1 for path, _ in run_verify(trees, probs, draft_probs=q, rejection=True))
+    rejection = sum(len(path) - 1 for path, _ in run_verify(trees, probs, draft_probs=q, rule="rejection"))
     tree_sampling = sum(len(path) - 1 for path, _ in run_verify(trees, probs))
     assert rejection > 3900 and tree_sampling < 0.4 * 4000
+
+
+def test_coupled_rule_emits_plain_decodings_draws():
+    """Whatever the tree, the coupled rule's output is the keyed draw at each output position from the
+    target's distribution after the tokens before it: what plain decoding draws there, step by step."""
+    torch.manual_seed(4)
+    n = 2000
+    p_root, p_after = _dirichlet(1)[0], _dirichlet(V)
+    tokens, parents = [7, 0, 1, 2, 3], [-1, 0, 0, 0, 0]           # every first token drafted, no deeper node
+    tokens += [1, 2]
+    parents += [1, 2]
+    tree = DraftTree(tokens, parents)
+    probs = torch.full((len(tree), V), 1.0 / V)
+    probs[0] = p_root
+    for node in range(1, 5):
+        probs[node] = p_after[tokens[node]]
+    outputs = run_verify([tree] * n, [probs] * n, rule="coupled")
+    seeds = torch.arange(n)
+    first = keyed_sample(p_root.expand(n, V).contiguous(), keys(seeds, torch.zeros(n, dtype=torch.long), 0))
+    second = keyed_sample(p_after[first].contiguous(), keys(seeds, torch.ones(n, dtype=torch.long), 0))
+    accepted = 0
+    for (path, bonus), a, b in zip(outputs, first.tolist(), second.tolist()):
+        out = [tokens[i] for i in path[1:]] + [bonus]
+        assert out[0] == a                              # every first token is drafted: always accepted
+        if len(out) > 1:
+            assert out[1] == b
+        accepted += len(path) - 1
+    assert accepted > n                                 # second tokens were accepted too
+
+
+def test_coupled_rule_accepts_a_draft_sampled_with_the_same_keys():
+    """A draft that samples its own distribution q with the target's keys proposes the target's draw
+    whenever q = p, and often when q is close: coupling, not luck, makes sampled drafts pay."""
+    n = 4000
+    p = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    q_close = torch.tensor([0.35, 0.35, 0.2, 0.1])
+    seeds = torch.arange(n)
+    k = keys(seeds, torch.zeros(n, dtype=torch.long), 0)
+    for q, least in ((p, n), (q_close, 0.85 * n)):
+        drafts = keyed_sample(q.expand(n, V).contiguous(), k).tolist()
+        trees = [DraftTree.chain(7, [t]) for t in drafts]
+        got = sum(len(path) - 1 for path, _ in run_verify(trees, [torch.stack([p, p])] * n, rule="coupled"))
+        assert got >= least

@@ -91,7 +91,8 @@ class Serving:
     async def make_requests(self, prompts: Sequence[Sequence[int]], sampling: Union[dict, list[dict]], *,
                             default_max_tokens: int, names: Optional[dict[str, str]] = None,
                             **options) -> list[Request]:
-        """Requests for each prompt times `n` (choice k of a seeded request samples with seed + k).
+        """Requests for each prompt times `n` (choice k of a seeded request samples with
+        a seed of its own, sampling.choice_seed).
         `sampling` holds SGLang sampling_params, one dict for all prompts or one per prompt; `names` maps
         their names to the route's own (max_new_tokens -> max_tokens) for error messages; `options`
         are Engine.make_request's (return_logprob, top_logprobs_num). Grammars compile on a worker

@@ -16,8 +16,9 @@ class Drafter:
     scratch_slots = 0                    # KV slots per request per decode step besides the tree's
     capture_hidden: tuple[int, ...] = ()   # target hidden states it reads
 
-    def set_tree(self, tree: tuple[int, int, int], rejection: bool) -> None:
-        """Draft trees of (steps, topk, num_draft_tokens) from now on."""
+    def set_tree(self, tree: tuple[int, int, int], sampling: str) -> None:
+        """Draft trees of (steps, topk, num_draft_tokens) from now on, for verification of unseeded sampled
+        requests by rule `sampling` (speculative/verify.py)."""
         self.steps, self.topk, self.num_draft_tokens = tree
 
     def draft(self, step: DecodeStep) -> TreeBatch:

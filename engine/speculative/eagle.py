@@ -92,8 +92,8 @@ class EagleDrafter(ModelDrafter):
     position_shift = -1
 
     def __init__(self, model: nn.Module, target: nn.Module, num_slots: int, max_rows: int, table: torch.Tensor,
-                 tree: tuple[int, int, int], rejection: bool, eos_ids: Sequence[int], backend: str):
-        super().__init__(*tree, rejection, eos_ids, table)
+                 tree: tuple[int, int, int], sampling: str, eos_ids: Sequence[int], backend: str):
+        super().__init__(*tree, sampling, eos_ids, table)
         self.model, self.target = model, target
         self.capture_hidden = tuple(model.aux_layers)
         device, dtype = table.device, next(model.parameters()).dtype
@@ -160,12 +160,12 @@ class MultiLayerMtpDrafter(EagleDrafter):
                                 device=self.last.device)
         self.kept = [0] * self.last.shape[0]         # valid rows at the end of tail, per table row
 
-    def set_tree(self, tree: tuple[int, int, int], rejection: bool) -> None:
+    def set_tree(self, tree: tuple[int, int, int], sampling: str) -> None:
         steps, topk, _ = tree
         if topk != 1 or steps > self.layers:
             raise ConfigError(f"Multi-layer MTP drafting loaded {self.layers} MTP layers for chains: it drafts "
                               f"at most {self.layers} steps with topk 1, not {steps} steps with topk {topk}.")
-        super().set_tree(tree, rejection)
+        super().set_tree(tree, sampling)
 
     def _run(self, k: int, batch: ForwardBatch, features: torch.Tensor) -> torch.Tensor:
         self.backend.prepare(batch)

@@ -24,11 +24,11 @@ def load_draft_model(args: ServerArgs, target: nn.Module, target_dir, dtype: tor
     return kind.load_draft(args, target, target_dir, dtype, device, max_positions)
 
 
-def uses_rejection(args: ServerArgs) -> bool:
-    """Whether sampled requests' chains are drawn from the draft and checked by rejection sampling."""
+def unseeded_rule(args: ServerArgs) -> str:
+    """How sampled requests that gave no seed are verified (speculative/verify.py RULES); seeded ones
+    are always coupled."""
     mode = args.speculative_sampling
-    return args.speculative_algorithm not in (None, "NGRAM") and (
-        mode == "rejection" or (mode == "auto" and args.speculative_eagle_topk == 1))
+    return "coupled" if mode == "auto" else mode
 
 
 def create_drafter(args: ServerArgs, draft: Optional[nn.Module], target: nn.Module, num_slots: int,
@@ -40,12 +40,12 @@ def create_drafter(args: ServerArgs, draft: Optional[nn.Module], target: nn.Modu
         from engine.speculative.ngram import NgramDrafter
 
         return NgramDrafter(args, table.device)
-    tree, rejection = args.speculative_tree, uses_rejection(args)
+    tree, sampling = args.speculative_tree, unseeded_rule(args)
     if algo == "STANDALONE":
         from engine.speculative.standalone import StandaloneDrafter
 
-        return StandaloneDrafter(draft, num_slots, table, tree, rejection, eos_ids, args.attention_backend)
+        return StandaloneDrafter(draft, num_slots, table, tree, sampling, eos_ids, args.attention_backend)
     from engine.speculative.eagle import EagleDrafter, MultiLayerMtpDrafter
 
     kind = MultiLayerMtpDrafter if args.enable_multi_layer_eagle else EagleDrafter
-    return kind(draft, target, num_slots, max_rows, table, tree, rejection, eos_ids, args.attention_backend)
+    return kind(draft, target, num_slots, max_rows, table, tree, sampling, eos_ids, args.attention_backend)

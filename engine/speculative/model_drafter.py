@@ -23,9 +23,12 @@ from engine.sampling import SamplingBatch, sample_from_probs
 from engine.speculative.draft_tree_search import Draw, search_trees
 from engine.speculative.drafter import Drafter
 from engine.speculative.tree import TreeBatch
+from engine.speculative.verify import sampling_rule
 from engine.step import DecodeStep
+from spec_kernels.cpu_keyed_sample import keyed_sample
 
-# Uniform streams for drafted tokens, apart from verification's (0 for bonus draws, 1.. for trials).
+# Uniform streams for tokens drafted for rejection sampling, apart from verification's (0 for the
+# target's draws, 1.. for tree sampling's trials). Coupled drafts draw with stream 0, the target's own.
 DRAFT_STREAM = 1000
 
 
@@ -36,15 +39,15 @@ class ModelDrafter(Drafter):
     position_shift = 0
     root_in_kv = False
 
-    def __init__(self, steps: int, topk: int, num_draft_tokens: int, rejection: bool, eos_ids: Sequence[int],
+    def __init__(self, steps: int, topk: int, num_draft_tokens: int, sampling: str, eos_ids: Sequence[int],
                  table: torch.Tensor):
         self.eos_ids, self.table = list(eos_ids), table
-        self.set_tree((steps, topk, num_draft_tokens), rejection)
+        self.set_tree((steps, topk, num_draft_tokens), sampling)
 
-    def set_tree(self, tree: tuple[int, int, int], rejection: bool) -> None:
-        super().set_tree(tree, rejection)
+    def set_tree(self, tree: tuple[int, int, int], sampling: str) -> None:
+        super().set_tree(tree, sampling)
         self.scratch_slots = (self.steps - 1) * self.topk     # the frontiers of depths 1 .. steps - 1
-        self.rejection = rejection
+        self.sampling = sampling
 
     # ------------------------------------------------------------------ to implement
     def root(self, step: DecodeStep, roots: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -96,18 +99,24 @@ class ModelDrafter(Drafter):
                             self._draw(reqs) if self.topk == 1 else None)
 
     def _draw(self, reqs: Sequence[Request]) -> Optional[Draw]:
-        """Sampled requests checked by rejection sampling draw their chain from the draft's distribution,
-        processed by their sampling parameters (temperature, top-k/p, min-p; penalties without the
-        drafted path: any q keeps rejection sampling exact), with uniforms of their own."""
-        if not self.rejection or all(r.params.greedy for r in reqs):
+        """Sampled requests' chains are drawn from the draft's distribution, processed by their sampling
+        parameters (temperature, top-k/p, min-p; penalties without the drafted path: any q keeps the
+        rules exact). A coupled request draws with the uniform the target draws with at the same output
+        position, so that a draft close to the target proposes the target's own draw; one checked by
+        rejection sampling draws with uniforms of its own. Tree sampling takes the argmax chain."""
+        rules = [None if r.params.greedy else sampling_rule(r, self.sampling) for r in reqs]
+        if all(rule in (None, "tree") for rule in rules):
             return None
         device = self.table.device
-        drew = torch.tensor([not r.params.greedy for r in reqs], device=device)
+        drew = torch.tensor([rule in ("coupled", "rejection") for rule in rules], device=device)
+        coupled = torch.tensor([rule == "coupled" for rule in rules], device=device)
 
         def draw(depth: int, scores: torch.Tensor):
             at = torch.full((len(reqs),), depth - 1, dtype=torch.long, device=device)
             sb = SamplingBatch(reqs, self.eos_ids, device, depth=at)
             q = sb.probs(scores)
-            return sample_from_probs(q, sb.request_uniforms(at, DRAFT_STREAM + depth)), q, drew
+            tokens = torch.where(coupled, keyed_sample(q, sb.request_keys(at, 0)),
+                                 sample_from_probs(q, sb.request_uniforms(at, DRAFT_STREAM + depth)))
+            return tokens, q, drew
 
         return draw

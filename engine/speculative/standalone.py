@@ -61,8 +61,8 @@ class StandaloneDrafter(ModelDrafter):
     root_in_kv = True
 
     def __init__(self, model: nn.Module, num_slots: int, table: torch.Tensor, tree: tuple[int, int, int],
-                 rejection: bool, eos_ids: Sequence[int], backend: str):
-        super().__init__(*tree, rejection, eos_ids, table)
+                 sampling: str, eos_ids: Sequence[int], backend: str):
+        super().__init__(*tree, sampling, eos_ids, table)
         device, dtype = table.device, next(model.parameters()).dtype
         layers, heads, head_dim = kv_layout(model)
         # Slots 1..num_slots are the allocator's, num_slots + 1 pads graph batches; then a parking slot per

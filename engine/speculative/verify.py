@@ -1,14 +1,20 @@
 """Verification: which draft tokens the target accepts, and the token it adds after them, for a whole
 batch of trees at once on the device. Every rule keeps the output exactly the target's:
 - greedy: follow the child whose token is the target's argmax; the first miss gives the bonus token.
+- coupled (sampled requests, by default): every node draws the target's token at its output position
+  as plain decoding would there (SamplingBatch.sample: the same distribution, seed and position give the
+  same token), and the greedy rule follows those draws. The output is then plain decoding's, token for
+  token, whatever the drafts; a draft is accepted with probability p(draft) (a drafter that samples with
+  the same uniforms, coupled with the target's draw, more often).
 - tree sampling (SGLang's, drafts treated as deterministic): at each node try the children in order,
   accepting child c with probability p(c) under the current residual p; a rejected child's token gets
   probability 0 and p is renormalised. If no child is accepted, the bonus is drawn from the residual.
   The chance that token x comes out is p(x) whatever the draft, so the output follows p exactly.
-  Greedy rows have one-hot p, for which this is the greedy rule.
 - rejection sampling (chains with draft probabilities q): accept with min(1, p/q); on rejection draw
   from max(0, p - q) normalised (Leviathan et al., Chen et al.).
-Plain decoding is the same call on root-only trees: the "bonus" is the sampled token.
+Tree and rejection sampling are exact in distribution but not reproducible: which uniforms they read
+depends on the drafts. Plain decoding is the same call on root-only trees: the "bonus" is the sampled
+token.
 """
 
 from __future__ import annotations
@@ -30,9 +36,20 @@ class Accepted:
     bonus: torch.Tensor      # [B] the target's token after the last accepted node
 
 
-def verify(tree: TreeBatch, logits: torch.Tensor, sb: SamplingBatch, rejection: Sequence[bool]) -> Accepted:
+# How a request's sampled rows are checked (greedy rows always by the greedy rule).
+RULES = ("coupled", "tree", "rejection")
+
+
+def sampling_rule(req, unseeded: str) -> str:
+    """The rule for request `req`: coupled when it gave a seed (a seed promises the same tokens under
+    every algorithm), else `unseeded` (--speculative-sampling)."""
+    return "coupled" if req.params.seed is not None else unseeded
+
+
+def verify(tree: TreeBatch, logits: torch.Tensor, sb: SamplingBatch, rules: Sequence[str]) -> Accepted:
     """logits [T, V]: the target's, node after node, tree after tree (T = sum(tree.sizes));
-    `sb` has one row per node; rejection[b]: request b's chain is checked by rejection sampling."""
+    `sb` has one row per node; rules[b] (RULES): how request b's sampled rows are checked; rejection
+    needs tree.draft_probs, tree sampling stands in without them."""
     if tree.width == 1:                 # root-only trees: the bonus is the sampled token
         zeros = torch.zeros((tree.batch_size, 1), dtype=torch.long, device=logits.device)
         return Accepted(zeros, zeros[:, 0] + 1, sb.sample(logits))
@@ -40,14 +57,22 @@ def verify(tree: TreeBatch, logits: torch.Tensor, sb: SamplingBatch, rejection: 
     if sb.all_greedy:
         return _greedy(tree, argmax(sb.adjust(logits))[node_row])
     probs = sb.probs(logits)
-    out = _tree_sampling(tree, probs, node_row, sb)
-    if any(rejection):
-        rej = _rejection(tree, probs, node_row, sb)
-        use = torch.tensor(list(rejection), device=probs.device)
-        width = max(out.index.shape[1], rej.index.shape[1])
-        out = Accepted(torch.where(use[:, None], _pad(rej.index, width), _pad(out.index, width)),
-                       torch.where(use, rej.length, out.length), torch.where(use, rej.bonus, out.bonus))
+    out = _greedy(tree, sb.sample(logits, probs)[node_row])
+    if tree.draft_probs is None:
+        rules = ["tree" if r == "rejection" else r for r in rules]
+    for rule, check in (("tree", _tree_sampling), ("rejection", _rejection)):
+        use = [r == rule for r in rules]
+        if any(use):
+            out = _select(use, check(tree, probs, node_row, sb), out)
     return out
+
+
+def _select(use: Sequence[bool], a: Accepted, b: Accepted) -> Accepted:
+    """Per request, a where use[b] else b."""
+    pick = torch.tensor(list(use), device=a.length.device)
+    width = max(a.index.shape[1], b.index.shape[1])
+    return Accepted(torch.where(pick[:, None], _pad(a.index, width), _pad(b.index, width)),
+                    torch.where(pick, a.length, b.length), torch.where(pick, a.bonus, b.bonus))
 
 
 def _node_rows(tree: TreeBatch) -> torch.Tensor:
