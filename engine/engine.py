@@ -26,6 +26,7 @@ from engine.errors import ConfigError, RequestError
 from engine.grammar import GrammarBackend
 from engine.request import Request
 from engine.sampling import choice_seed
+from engine.speculative.prediction import Prediction
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -221,7 +222,21 @@ class Engine:
             grammar = self.compile_grammar(params)
         return Request(rid or f"req-{next(self._ids)}", list(prompt_ids), params, seed,
                        grammar=None if grammar is None else self.grammars.matcher(grammar),
-                       return_logprob=return_logprob, top_logprobs_num=top_logprobs_num if return_logprob else 0)
+                       return_logprob=return_logprob, top_logprobs_num=top_logprobs_num if return_logprob else 0,
+                       prediction=self._prediction(params.prediction))
+
+    def _prediction(self, prediction) -> Optional[Prediction]:
+        """A request's Predicted Output as tokens (None without one)."""
+        if prediction is None:
+            return None
+        ids = self.tokenizer.encode(prediction, add_special_tokens=False) if isinstance(prediction, str) else prediction
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in ids):
+            raise RequestError(f"prediction holds token ids outside the vocabulary [0, {vocab}).", "prediction")
+        if len(ids) > self.context_len:
+            raise RequestError(f"The prediction has {len(ids)} tokens, more than the context length "
+                               f"({self.context_len}); shorten it to the text the answer may repeat.", "prediction")
+        return Prediction(ids)
 
     def make_choices(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None,
                      **options: Any) -> list[Request]:
@@ -310,6 +325,9 @@ class Engine:
         if self.args.speculative_algorithm:
             meta["spec_verify_ct"] = req.spec_verify_ct
             meta["spec_accept_length"] = req.num_output / req.spec_verify_ct if req.spec_verify_ct else None
+        if req.prediction is not None:
+            meta["accepted_prediction_tokens"] = req.prediction.accepted
+            meta["rejected_prediction_tokens"] = req.prediction.rejected
         if req.return_logprob:
             logprobs = req.output_logprobs[:req.num_output]
             meta["output_token_logprobs"] = [(lp, tok, None) for (lp, _), tok in zip(logprobs, req.output_ids)]

@@ -67,6 +67,9 @@ class Request:
     top_logprobs_num: int = 0
     output_logprobs: list = field(default_factory=list, repr=False)
 
+    # Predicted Outputs (engine/speculative/prediction.py): where the output stands in the prediction.
+    prediction: object = field(default=None, repr=False)
+
     # Speculative counters.
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0              # draft tokens accepted (bonus tokens excluded)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from engine.errors import RequestError
 
@@ -54,6 +54,8 @@ class SamplingParams:
     regex: Optional[str] = None
     ebnf: Optional[str] = None                        # xgrammar's EBNF (GBNF)
     structural_tag: Optional[str] = None              # an xgrammar structural tag, as JSON text
+    # Predicted Outputs: text (or token ids) the answer is expected to mostly repeat, verified as a draft.
+    prediction: Union[str, list[int], None] = None
 
     @classmethod
     def from_dict(cls, values: Optional[dict[str, Any]]) -> "SamplingParams":
@@ -117,6 +119,17 @@ class SamplingParams:
             raise RequestError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids.", "stop_token_ids")
         self._validate_logit_bias()
         self._validate_constraint()
+        self._validate_prediction()
+
+    def _validate_prediction(self) -> None:
+        pred = self.prediction
+        if pred is None or isinstance(pred, str) and not text_problem(pred):
+            return
+        if isinstance(pred, str):
+            raise RequestError(f"prediction {text_problem(pred)}.", "prediction")
+        if not isinstance(pred, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT_MAX
+                                                 for t in pred):
+            raise RequestError("prediction must be text, or a list of token ids (integers >= 0).", "prediction")
 
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias

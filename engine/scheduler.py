@@ -38,6 +38,8 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import DistributedError
 from engine.memory.kv_manager import KVManager
 from engine.request import FinishReason, Request, Status
+from engine.speculative.cost import StepCost
+from engine.speculative.prediction import ANCHOR_MAX, chain_length
 from engine.speculative.stats import SpecStats
 from engine.step import DecodeStep, PrefillStep, StepResult
 from engine.worker import Worker
@@ -50,6 +52,9 @@ _RESERVE_TOKENS = 8
 # Under the lpm policy a waiting request that later arrivals have overtaken this often goes first: a
 # request sharing no cached prefix cannot be starved by a stream of ones that do.
 _MAX_OVERTAKEN = 16
+# A further row's share of a one-row decode step before step times are measured: on a CPU the weight
+# kernels are compute-bound past one row; on a GPU rows are nearly free until the batch is large.
+_PRIOR_ROW_COST = {"cpu": 0.12, "cuda": 0.01}
 
 
 class _InFlight(NamedTuple):
@@ -77,6 +82,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.prefilling: Optional[Request] = None   # a request part-way through a chunked prefill
         self.stats = {"retractions": 0, "cached_tokens": 0, "prefill_tokens": 0, "decode_steps": 0}
+        # What a decode forward of R rows costs here: sizes Predicted Output chains.
+        self.cost = StepCost(_PRIOR_ROW_COST[device])
         self._finished_now: list[Request] = []
         self._forwards = (ThreadPoolExecutor(1, thread_name_prefix="spec-forward")
                           if args.enable_overlap_schedule else None)
@@ -263,8 +270,28 @@ class Scheduler:
         return self._run(list(self.running), self._decode_step, self._apply_decode)
 
     def _decode_step(self, reqs: list[Request]) -> DecodeStep:
-        per_req = self.worker.slots_per_request
-        return DecodeStep(reqs, self.kv.alloc(per_req * len(reqs)).view(len(reqs), per_req))
+        chains = self._chains(reqs)
+        per_req = self.worker.slots_per_request + max(map(len, chains or [[]]))
+        if chains and self.kv.available() < per_req * len(reqs):
+            chains, per_req = None, self.worker.slots_per_request       # no room: verify the chains later
+        return DecodeStep(reqs, self.kv.alloc(per_req * len(reqs)).view(len(reqs), per_req), chains)
+
+    def _chains(self, reqs: list[Request]) -> Optional[list[list[int]]]:
+        """Each request's Predicted Output chain for this step, as long as pays by the step cost model
+        and its recent acceptance (none without a prediction); None when no request has one."""
+        if all(r.prediction is None for r in reqs):
+            return None
+        rows = len(reqs) * self.worker.num_draft_tokens        # the step's rows without chains
+        chains = []
+        for r in reqs:
+            p = r.prediction
+            tail = r.token_ids[-ANCHOR_MAX:]
+            if p is None or not p.remaining(tail):
+                chains.append([])
+                continue
+            room = min(p.remaining(tail), r.remaining_tokens() - 1, self.context_len - r.seq_len - 1)
+            chains.append(p.chain(tail, chain_length(p.rate, room, lambda k: self.cost.relative(rows, k))))
+        return chains if any(chains) else None
 
     # ------------------------------------------------------------------ running a step
     def _run(self, items: list, build: Callable, apply: Callable) -> list[Request]:
@@ -280,7 +307,11 @@ class Scheduler:
     def _now(self, build: Callable, apply: Callable) -> Callable:
         def run(items: list) -> list[Request]:
             step = build(items)
-            return apply(step, self._forward(step))
+            start = time.perf_counter()
+            result = self._forward(step)
+            if result.rows:
+                self.cost.observe(result.rows, time.perf_counter() - start)
+            return apply(step, result)
         return run
 
     def _launch_ahead(self, flight: _InFlight) -> Optional[_InFlight]:
@@ -288,13 +319,14 @@ class Scheduler:
         (engine/ahead.py), where that step is sure to be the one scheduled after it: a decode of the same
         requests, less those flight's tokens finish. None where the next step must wait for flight's
         result: a prefill is due (requests waiting, a prompt part-way), flight is a prefill, a request's
-        stop test needs its text (stop strings) or its grammar, hidden states are captured, a request
+        stop test needs its text (stop strings) or its grammar, a prediction's chain needs the tokens,
+        hidden states are captured, a request
         that ended meanwhile has drafter state to release, or KV is short (only free slots are taken, so
         that nothing is evicted or retracted earlier than without building ahead)."""
         reqs = self.running
         if not (isinstance(flight.step, DecodeStep) and reqs and not self.waiting and self.prefilling is None
                 and [r for r in flight.step.reqs if not r.finished] == reqs and not self.worker.capture
-                and all(r.grammar is None and not r.params.stop for r in reqs)
+                and all(r.grammar is None and not r.params.stop and r.prediction is None for r in reqs)
                 and not any(drafter for _, drafter in self._release_later)
                 and self.kv.unused() >= self.worker.slots_per_request * len(reqs)):
             return None
@@ -406,6 +438,8 @@ class Scheduler:
                 req.spec_accepted_tokens += result.drafts[i]
                 self.spec_stats.record(result.drafts[i])
             self._keep_captured(req, result, i)
+            if result.predicted is not None and step.chains[i]:
+                req.prediction.verified(len(step.chains[i]), result.predicted[i])
             self._append(req, result.tokens[i], logprobs[i])     # a request that finishes leaves self.running
         return [r for r, ok in zip(step.reqs, live) if ok]
 
@@ -443,6 +477,8 @@ class Scheduler:
         try:
             for i, tok in enumerate(tokens):
                 req.token_ids.append(tok)
+                if req.prediction is not None:
+                    req.prediction.follow(tok)
                 if logprobs is not None:
                     req.output_logprobs.append(logprobs[i])
                 if req.first_token_time is None:

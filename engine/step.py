@@ -30,9 +30,16 @@ class PrefillStep:
 @dataclass
 class DecodeStep:
     """One decode step of the running requests. slots[b]: the KV slots request b may use this step:
-    one per tree node (the root's first), then the drafter's scratch."""
+    one per tree node (the root's first; the drafter's nodes, then its prediction chain's), then the
+    drafter's scratch. chains[b]: Predicted Output tokens to verify after request b's newest token."""
     reqs: list[Request]
     slots: torch.Tensor          # [B, slots per request]
+    chains: Optional[list[list[int]]] = None
+
+    @property
+    def chain_slots(self) -> int:
+        """Slot columns given to prediction chains (after the drafter's tree columns)."""
+        return max(map(len, self.chains)) if self.chains else 0
 
 
 @dataclass
@@ -42,5 +49,7 @@ class StepResult:
     kept: Optional[torch.Tensor] = None      # decode: [B, S] bool, the slots of those tokens in order
     drafts: Optional[list[int]] = None       # speculative decode: draft tokens accepted per request
     captured: Optional[list] = None          # per request, hidden states to keep (Request.captured)
+    predicted: Optional[list[int]] = None    # per request, tokens of its prediction chain accepted
+    rows: int = 0                            # decode: tokens the target's forward ran (tree nodes)
     # Per request asking for them (else None): per new token, (logprob, [(token id, logprob)] best first).
     logprobs: Optional[list] = None

@@ -92,8 +92,11 @@ class Worker:
     # ------------------------------------------------------------------ decode
     def _decode(self, step: DecodeStep) -> StepResult:
         reqs, device = step.reqs, self.table.device
-        tree = (self.drafter.draft(step) if self.drafter else
+        tree = (self.drafter.draft(self._drafter_view(step)) if self.drafter else
                 TreeBatch.roots(torch.tensor([r.token_ids[-1] for r in reqs], device=device)))
+        own = list(tree.sizes)              # the drafter's nodes; a prediction chain's come after them
+        if step.chain_slots:
+            tree = tree.with_chains(step.chains)
         full = all(n == tree.width for n in tree.sizes)
 
         def flat(x: torch.Tensor) -> torch.Tensor:
@@ -148,8 +151,18 @@ class Worker:
         if self.capture:
             picked = cpu_argmax.argmax(out.logits[rows[on_path]])
             captured = self._captured(out, rows[on_path], lengths, reqs, picked)
+        predicted = [sum(i >= n for i in path) for path, n in zip(paths, own)] if step.chain_slots else None
         return StepResult(tokens, lengths, kept=kept, drafts=[n - 1 for n in lengths] if self.drafter else None,
-                          captured=captured, logprobs=None if floats is None else _unpack(reqs, floats, lengths, width))
+                          captured=captured, logprobs=None if floats is None else _unpack(reqs, floats, lengths, width),
+                          predicted=predicted, rows=sum(tree.sizes))
+
+    def _drafter_view(self, step: DecodeStep) -> DecodeStep:
+        """The step as the drafter sees it: its tree's slot columns, then its scratch, without the
+        columns given to prediction chains."""
+        if not step.chain_slots:
+            return step
+        n = self.num_draft_tokens
+        return DecodeStep(step.reqs, torch.cat([step.slots[:, :n], step.slots[:, n + step.chain_slots:]], 1))
 
     def _nodes_as_decode_rows(self, reqs, tree: TreeBatch, slots: torch.Tensor):
         """The tree verified as decode rows, SGLang's "decode" attention mode: node i of request b is a

@@ -84,6 +84,25 @@ class TreeBatch:
         return cls(tokens.to(device), parents.to(device), [len(t) for t in trees], all(t.is_chain for t in trees),
                    max(max(t.depths) for t in trees), max(t.max_children for t in trees))
 
+    def with_chains(self, chains: Sequence[Sequence[int]]) -> "TreeBatch":
+        """These trees with chains[b] grown from request b's root after its nodes: node sizes[b] holds
+        the chain's first token, each next node the following one as its child (Predicted Outputs
+        beside a drafter's tree). Drafted probabilities are dropped: the chains are deterministic drafts."""
+        sizes = [n + len(c) for n, c in zip(self.sizes, chains)]
+        width = max(max(sizes), self.width)
+        rows = [b for b, c in enumerate(chains) for _ in c]
+        cols = [n + j for n, c in zip(self.sizes, chains) for j in range(len(c))]
+        parents = [0 if j == 0 else n + j - 1 for n, c in zip(self.sizes, chains) for j in range(len(c))]
+        pad = (0, width - self.width)
+        tokens = torch.nn.functional.pad(self.tokens, pad)
+        parent = torch.nn.functional.pad(self.parents, pad, value=-1)
+        device = tokens.device
+        tokens[rows, cols] = torch.tensor([t for c in chains for t in c], dtype=torch.long, device=device)
+        parent[rows, cols] = torch.tensor(parents, dtype=torch.long, device=device)
+        chain = self.is_chain and all(n == 1 for n, c in zip(self.sizes, chains) if c)
+        return TreeBatch(tokens, parent, sizes, chain, max(self.max_depth, max(map(len, chains))),
+                         max(self.max_children + 1, 1))
+
     @classmethod
     def roots(cls, roots: torch.Tensor) -> "TreeBatch":
         """Root-only trees: plain decoding is verification of an empty draft."""

@@ -100,9 +100,13 @@ def _greedy(tree: TreeBatch, choice: torch.Tensor) -> Accepted:
     after_parent = choice.gather(1, tree.parents.clamp(min=0))
     correct = (tree.tokens == after_parent) & tree.valid
     correct[:, 0] = True
-    # A node is accepted when it and all its ancestors are; siblings differ, so they form one path.
+    # A node is accepted when it and all its ancestors are. Siblings with different tokens leave one
+    # accepted path; a prediction's chain beside a drafter's tree may repeat a sibling's token, so the
+    # deepest accepted node ends the path (the first of equals).
     accepted = ~(tree.ancestors & ~correct[:, None, :]).any(-1) & tree.valid
-    last = torch.where(accepted, torch.arange(tree.width, device=choice.device), -1).max(1).values
+    N = tree.width
+    rank = tree.depth * N + (N - 1 - torch.arange(N, device=choice.device))
+    last = N - 1 - torch.where(accepted, rank, -1).max(1).values % N
     index, length = _path(tree, last)
     return Accepted(index, length, choice.gather(1, last[:, None]).squeeze(1))
 

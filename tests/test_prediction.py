@@ -1,0 +1,168 @@
+"""Predicted Outputs: a request's `prediction` drafts a chain that verification checks like any draft,
+so outputs are the model's own whatever the prediction (greedy token for token; seeded sampling too,
+by the coupled rule), with every algorithm and beside requests without one; the place in the
+prediction is found again after an edit; usage counts what was verified."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import Engine
+from engine.errors import RequestError
+from engine.speculative.prediction import Prediction, chain_length
+from tests.test_speculative_lossless import ALGOS, _module_for, draft_setup
+from tests.tiny import make_model, random_prompts
+
+NEW = 48
+GREEDY = {"temperature": 0.0, "max_new_tokens": NEW, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("pred"), "llama", seed=11, vocab=320)
+
+
+def edits(out: list[int]) -> dict[str, list[int]]:
+    """Predictions of an answer `out`: the answer itself, a part, edited ones, an unrelated one, none."""
+    return {"exact": out, "partial": out[:NEW // 2], "changed": out[:16] + [5, 6, 7] + out[21:],
+            "inserted": out[:16] + [5, 6, 7] + out[16:], "deleted": out[:16] + out[26:],
+            "unrelated": random_prompts(1, seed=77, lo=NEW, hi=NEW + 1)[0], "empty": []}
+
+
+# ---------------------------------------------------------------------------------------- following
+def test_follow_and_reanchor_after_insertion_deletion_and_change():
+    pred = Prediction(list(range(100, 140)))
+    for t in range(100, 110):
+        pred.follow(t)
+    assert pred.place([108, 109]) == 10
+    # Inserted text: the place is lost, then found where the output rejoins the prediction.
+    for t in (7, 8, 9):
+        pred.follow(t)
+    assert pred.place([8, 9]) is None
+    pred.follow(110)
+    pred.follow(111)
+    assert pred.place([9, 110, 111]) == 12
+    # Deleted text (the output skips 112-119), then a changed line (120 becomes 5).
+    for t in (120, 121):
+        pred.follow(t)
+    assert pred.place([111, 120, 121]) == 22
+    for t in (5, 123, 124):
+        pred.follow(t)
+    assert pred.place([5, 123, 124]) == 25
+
+
+def test_reanchor_takes_the_first_occurrence_after_the_confirmed_place():
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 1, 2, 3, 6]
+    pred = Prediction(tokens)
+    for t in tokens[:6]:
+        pred.follow(t)
+    pred.follow(42)                                   # an edit at position 6
+    # (1, 2, 3) ends at 3, 8 and 13: 3 is behind the confirmed place (6), 13 beyond the nearest.
+    assert pred.place([42, 1, 2, 3]) == 8
+
+
+def test_token_boundaries_that_differ_fall_in_line():
+    """The same text cut into tokens differently inside the answer (a merged token at an edit's edge):
+    the tokens after the cut match the prediction's own again."""
+    pred = Prediction([10, 11, 12, 13, 14, 15, 16])    # "ab" "c" "d" ... tokenized alone
+    pred.follow(99)                                    # the answer cut "abc" as one token
+    assert pred.place([99]) is None
+    pred.follow(12)
+    pred.follow(13)
+    assert pred.place([99, 12, 13]) == 4
+    assert pred.chain([99, 12, 13], 8) == [14, 15, 16]
+
+
+def test_chain_length_follows_acceptance_and_cost():
+    cheap, dear = (lambda k: 1 + 0.01 * k), (lambda k: 1 + 0.2 * k)
+    assert chain_length(0.95, 64, cheap) > chain_length(0.95, 64, dear) > 0
+    assert chain_length(0.05, 64, dear) == 0                # a failing prediction costs nothing
+    assert chain_length(0.99, 5, cheap) == 5                # never past what is left
+
+
+# ---------------------------------------------------------------------------------------- lossless
+@pytest.mark.parametrize("algo", [None] + ALGOS)
+def test_greedy_output_is_the_model_own_whatever_the_prediction(algo, model, tmp_path):
+    """Every kind of prediction, batched with a request that has none: greedy tokens equal plain
+    decoding's without predictions, under every algorithm; the exact prediction was verified."""
+    if algo:
+        pytest.importorskip(_module_for(algo))
+    kw = draft_setup(algo, model, tmp_path) if algo else {}
+    target = kw.pop("model_path", model)
+    prompts = random_prompts(2, seed=5, lo=12, hi=30)
+    plain = Engine(model_path=str(target), dtype="float32", max_total_tokens=8192)
+    expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=GREEDY)]
+    spec = {"speculative_algorithm": algo, **kw} if algo else {}
+    eng = Engine(model_path=str(target), dtype="float32", max_total_tokens=8192, **spec)
+    for name, pred in edits(expected[0]).items():
+        outs = eng.generate(input_ids=prompts, sampling_params=[{**GREEDY, "prediction": pred}, GREEDY])
+        assert [o["output_ids"] for o in outs] == expected, name
+        meta = outs[0]["meta_info"]
+        if name == "exact":
+            assert meta["accepted_prediction_tokens"] > NEW // 2 and meta["rejected_prediction_tokens"] == 0
+        assert "accepted_prediction_tokens" not in outs[1]["meta_info"]
+
+
+@pytest.mark.parametrize("variant", [{"chunked_prefill_size": 8}, {"max_total_tokens": 120},
+                                     {"max_running_requests": 1}], ids=["chunked", "preempt", "one-at-a-time"])
+def test_predictions_under_scheduling_variants(variant, model):
+    prompts = random_prompts(4, seed=6, lo=12, hi=30)
+    plain = Engine(model_path=str(model), dtype="float32", max_total_tokens=8192)
+    expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=GREEDY)]
+    eng = Engine(model_path=str(model), dtype="float32", **{"max_total_tokens": 8192, **variant})
+    params = [{**GREEDY, "prediction": edits(out)["changed"]} for out in expected]
+    for _ in range(2):                                        # the second time over cached prompts
+        assert [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)] == expected
+    if variant.get("max_total_tokens"):
+        assert eng.stats()["retractions"] > 0
+
+
+def test_seeded_sampling_with_a_prediction_draws_plain_decodings_tokens(model):
+    prompts = random_prompts(6, seed=8, lo=12, hi=30)
+    params = [{"temperature": 0.8, "seed": i, "max_new_tokens": NEW, "ignore_eos": True} for i in range(6)]
+    plain = Engine(model_path=str(model), dtype="float32", max_total_tokens=8192)
+    expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
+    outs = plain.generate(input_ids=prompts, sampling_params=[{**p, "prediction": e} for p, e in zip(params, expected)])
+    assert [o["output_ids"] for o in outs] == expected
+    assert sum(o["meta_info"]["accepted_prediction_tokens"] for o in outs) > NEW
+
+
+def test_usage_counts_what_was_verified(model):
+    """accepted + rejected = the prediction tokens verified; an exact prediction has none rejected and
+    one decode step per chain."""
+    eng = Engine(model_path=str(model), dtype="float32", max_total_tokens=8192)
+    p = random_prompts(1, seed=9, lo=20, hi=21)[0]
+    out = eng.generate(input_ids=p, sampling_params=GREEDY)["output_ids"]
+    steps = eng.stats()["decode_steps"]
+    meta = eng.generate(input_ids=p, sampling_params={**GREEDY, "prediction": out})["meta_info"]
+    steps = eng.stats()["decode_steps"] - steps
+    # The first token comes from the prompt's forward; each decode step emits its accepted tokens + 1.
+    assert meta["rejected_prediction_tokens"] == 0
+    assert meta["accepted_prediction_tokens"] + steps == NEW - 1
+    meta = eng.generate(input_ids=p, sampling_params={**GREEDY, "prediction": [t + 1 for t in out]})["meta_info"]
+    assert meta["accepted_prediction_tokens"] == 0
+
+
+def test_prediction_with_n_choices_and_logprobs(model):
+    eng = Engine(model_path=str(model), dtype="float32", max_total_tokens=8192)
+    p = random_prompts(1, seed=10, lo=20, hi=21)[0]
+    base = eng.generate(input_ids=p, sampling_params={**GREEDY, "n": 2}, return_logprob=True, top_logprobs_num=2)
+    got = eng.generate(input_ids=p, sampling_params={**GREEDY, "n": 2, "prediction": base[0]["output_ids"]},
+                       return_logprob=True, top_logprobs_num=2)
+    for a, b in zip(base, got):
+        assert a["output_ids"] == b["output_ids"]
+        for (la, ta, _), (lb, tb, _) in zip(a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]):
+            assert ta == tb and la == pytest.approx(lb, abs=1e-4)
+
+
+def test_text_prediction_and_bad_predictions(model):
+    eng = Engine(model_path=str(model), dtype="float32", max_total_tokens=8192)
+    out = eng.generate(prompt="hello world", sampling_params=GREEDY)
+    again = eng.generate(prompt="hello world", sampling_params={**GREEDY, "prediction": out["text"]})
+    assert again["output_ids"] == out["output_ids"]
+    for bad, says in ((5, "prediction must be text"), ([1, -2], "prediction must be text"),
+                      ("a\ud800", "surrogate"), ([10 ** 6], "outside the vocabulary"),
+                      ([1] * 100_000, "more than the context length")):
+        with pytest.raises(RequestError, match=says) as err:
+            eng.generate(prompt="hi", sampling_params={**GREEDY, "prediction": bad})
+        assert err.value.param == "prediction"
