@@ -204,6 +204,31 @@ def test_chat_sync_matches_offline_engine(live, offline):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
 
+def test_chat_prediction_through_the_openai_client(live, offline):
+    """OpenAI's `prediction=` argument, streamed and not, as text or text parts: the answer is the one
+    without a prediction, and usage says how many prediction tokens were verified and kept (how many
+    depends on chain lengths, which the measured step times choose; tests/test_prediction.py pins the
+    counts down)."""
+    client = sync_client(live)
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0,
+                                           extra_body=IGNORE_EOS)
+    text = plain.choices[0].message.content
+    assert plain.usage.completion_tokens_details is None
+    for content in (text, "unrelated words", [{"type": "text", "text": text[:10]}, {"type": "text", "text": text[10:]}]):
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0,
+                                           prediction={"type": "content", "content": content}, extra_body=IGNORE_EOS)
+        assert r.choices[0].message.content == text
+        details = r.usage.completion_tokens_details
+        assert 0 <= details.accepted_prediction_tokens < r.usage.completion_tokens
+        assert details.rejected_prediction_tokens >= 0
+        chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0,
+                                                     prediction={"type": "content", "content": content}, stream=True,
+                                                     stream_options={"include_usage": True}, extra_body=IGNORE_EOS))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+        assert chunks[-1].usage.completion_tokens_details.rejected_prediction_tokens is not None
+
+
 def test_completions_async_stop_seed_and_n(live, offline):
     async def run():
         client = async_client(live)
@@ -422,6 +447,13 @@ BAD = [
     ("/generate", {"text": "\ud800"}, 400, "text"),
     ("/generate", {"text": "hi", "stream": "yes"}, 400, "stream"),
     ("/generate", {"input_ids": [1.0, 2]}, 400, "input_ids.0"),
+    ("/v1/chat/completions", {**CHAT, "prediction": "text"}, 400, "prediction"),
+    ("/v1/chat/completions", {**CHAT, "prediction": {"type": "text", "content": "x"}}, 400, "prediction.type"),
+    ("/v1/chat/completions", {**CHAT, "prediction": {"type": "content", "content": [{"type": "image_url"}]}}, 400,
+     "prediction.content"),
+    ("/v1/chat/completions", {**CHAT, "prediction": {"type": "content", "content": "\ud800"}}, 400,
+     "prediction.content"),
+    ("/v1/completions", {"prompt": "hi", "prediction": {"type": "content", "content": "x " * 70000}}, 400, "prediction"),
     ("/v1/completions", b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", 400, None),
     ("/v1/completions", b'{"prompt": "\xff"}', 400, None),
 ]

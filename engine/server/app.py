@@ -156,7 +156,12 @@ def _router(serving: Serving) -> APIRouter:
             prompts = await serving.tokenizer.encode(texts)
         else:
             prompts = [list(body.input_ids)] if single_ids else [list(x) for x in body.input_ids]
-        reqs = await serving.make_requests(prompts, body.sampling_params or {},
+        sampling = body.sampling_params or {}
+        if body.prediction is not None:
+            text = body.prediction.text()
+            sampling = ([{**s, "prediction": text} for s in sampling] if isinstance(sampling, list)
+                        else {**sampling, "prediction": text})
+        reqs = await serving.make_requests(prompts, sampling,
                                            default_max_tokens=SamplingParams.max_new_tokens,
                                            return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num)
         single = (single_text or single_ids) and len(reqs) == 1

@@ -129,8 +129,14 @@ class _Shape:
 
     def usage(self, outs: Sequence[Optional[dict]]) -> dict:
         done = sum(o["meta_info"]["completion_tokens"] for o in outs if o)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
-                "total_tokens": self.prompt_tokens + done}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                 "total_tokens": self.prompt_tokens + done}
+        predicted = [o["meta_info"] for o in outs if o and "accepted_prediction_tokens" in o["meta_info"]]
+        if predicted:
+            usage["completion_tokens_details"] = {
+                kind: sum(m[kind] for m in predicted) for kind in ("accepted_prediction_tokens",
+                                                                   "rejected_prediction_tokens")}
+        return usage
 
     async def token_logprobs(self, out: dict, start: int, end: int, offset: int) -> Optional[dict]:
         """The choice's logprobs for output tokens start..end (`offset`: where token start's text begins)."""

@@ -82,6 +82,20 @@ class ResponseFormat(APIBody):
     json_schema: Optional[JSONSchemaFormat] = None
 
 
+class TextPart(APIBody):
+    type: Literal["text"]
+    text: Text
+
+
+class Prediction(APIBody):
+    """OpenAI's Predicted Outputs: text the answer is expected to mostly repeat."""
+    type: Literal["content"]
+    content: Union[Text, list[TextPart]]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class _OpenAISampling(APIBody):
     """Sampling fields shared by chat and text completions (OpenAI's, plus SGLang's extensions)."""
     model: Optional[str] = None
@@ -110,6 +124,7 @@ class _OpenAISampling(APIBody):
     ebnf: Optional[str] = None
     json_schema: Optional[str] = None
     return_hidden_states: bool = False               # SGLang's; sglang-router sends its default
+    prediction: Optional[Prediction] = None          # OpenAI's on chat; the same shape on completions
 
     NEUTRAL = {"return_hidden_states": (False,)}
 
@@ -122,7 +137,7 @@ class _OpenAISampling(APIBody):
                   "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids,
                   "skip_special_tokens": self.skip_special_tokens, "no_stop_trim": self.no_stop_trim,
                   "logit_bias": self.logit_bias, "regex": self.regex, "ebnf": self.ebnf,
-                  "json_schema": self.json_schema}
+                  "json_schema": self.json_schema, "prediction": self.prediction and self.prediction.text()}
         return {k: v for k, v in values.items() if v is not None}
 
     @property
@@ -201,6 +216,7 @@ class GenerateRequest(APIBody):
     no_logs: bool = False
     return_bytes: bool = False
     return_entropy: bool = False
+    prediction: Optional[Prediction] = None          # Predicted Outputs, as on /v1/chat/completions
 
     NEUTRAL = {"return_hidden_states": (False,), "background": (False,), "return_bytes": (False,),
                "return_entropy": (False,)}
