@@ -63,6 +63,7 @@ def cuda_capture(fn: Callable, batch: ForwardBatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn(batch)
+    graph.replay()          # capturing records the kernels without running them: this batch's results
     return graph.replay, out
 
 

@@ -4,12 +4,13 @@ import os
 import sys
 import types
 
-# Without a GPU, Triton kernels run in Triton's interpreter (numpy); it must be chosen before the first
-# `import triton`, which torch may do itself.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter (numpy); it must be chosen before the first
+# `import triton` (importing torch does not import it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.tiny import make_model
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from engine import Engine
-from tests.test_speculative_lossless import ALGOS, _module_for, draft_setup
+from tests.drafts import ALGOS, draft_setup, module_for
 from tests.tiny import make_model, random_prompts
 
 NEW_TOKENS = 24
@@ -66,7 +66,7 @@ def test_same_tokens_as_alone_whatever_the_cache_batch_chunking_and_draft(algo, 
     the same requests again (radix hits), chunked prefill and preemption, under every algorithm: each
     request's tokens equal its tokens alone, from an empty cache, with plain decoding."""
     if algo:
-        pytest.importorskip(_module_for(algo))
+        pytest.importorskip(module_for(algo))
     kw = draft_setup(algo, model, tmp_path) if algo else {}
     target = kw.pop("model_path", model)
     params = (lambda i: GREEDY) if kind == "greedy" else seeded

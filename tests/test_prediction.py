@@ -10,7 +10,7 @@ import pytest
 from engine import Engine
 from engine.errors import RequestError
 from engine.speculative.prediction import Prediction, chain_length
-from tests.test_speculative_lossless import ALGOS, _module_for, draft_setup
+from tests.drafts import ALGOS, draft_setup, module_for
 from tests.tiny import make_model, random_prompts
 
 NEW = 48
@@ -86,7 +86,7 @@ def test_greedy_output_is_the_model_own_whatever_the_prediction(algo, model, tmp
     """Every kind of prediction, batched with a request that has none: greedy tokens equal plain
     decoding's without predictions, under every algorithm; the exact prediction was verified."""
     if algo:
-        pytest.importorskip(_module_for(algo))
+        pytest.importorskip(module_for(algo))
     kw = draft_setup(algo, model, tmp_path) if algo else {}
     target = kw.pop("model_path", model)
     prompts = random_prompts(2, seed=5, lo=12, hi=30)

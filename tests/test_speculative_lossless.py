@@ -15,38 +15,13 @@ from scipy.stats import chisquare
 
 from engine import Engine
 from engine.sampling_params import SamplingParams
+from tests.drafts import ALGOS, draft_setup, module_for  # noqa: F401  (other test files import them from here)
 from tests.tiny import make_deepseek_v3, make_model, target_probs
 
 GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
 # (steps, topk, draft tokens): chains, small trees, wide ones past steps*topk + 1 (SGLang's guide's
 # (3, 4, 16) and (5, 8, 64): EAGLE-2 ranks topk + (steps-1)*topk^2 candidates), a deep one.
 SHAPES = [(1, 1, 2), (3, 1, 4), (7, 1, 8), (2, 2, 4), (3, 4, 8), (3, 4, 16), (5, 8, 32), (5, 8, 64), (8, 8, 64)]
-
-
-def draft_setup(algo: str, target_dir, tmp_path, vocab: int = 320) -> dict:
-    """Engine kwargs that turn on `algo` for the target in target_dir, building a tiny draft if needed."""
-    if algo == "NGRAM":
-        return {}
-    if algo == "STANDALONE":
-        return {"speculative_draft_model_path": str(make_model(tmp_path / "draft", "llama", seed=7, vocab=vocab, layers=1))}
-    from tests import eagle_checkpoints as eagle
-
-    if algo == "EAGLE":
-        return {"speculative_draft_model_path": str(eagle.save_eagle_repo(tmp_path / "eagle", *eagle.eagle_tensors(target_dir)))}
-    if algo == "MTP":   # the target itself, with a DeepSeek-style nextn layer added to its checkpoint
-        return {"model_path": str(eagle.save_mtp_target(tmp_path / "mtp", target_dir, "nextn"))}
-    if algo == "EAGLE3":
-        path = eagle.save_eagle3(tmp_path / "eagle3", target_dir, draft_vocab=min(200, vocab - 2), aux_layer_ids=[0, 1, 1])
-        return {"speculative_draft_model_path": str(path)}
-    raise AssertionError(algo)
-
-
-ALGOS = ["NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "MTP"]
-
-
-def _module_for(algo: str) -> str:
-    return {"NGRAM": "engine.speculative.ngram", "STANDALONE": "engine.speculative.standalone"}.get(
-        algo, "engine.speculative.eagle")
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +43,7 @@ def plain_outputs(target):
 
 
 def spec_engine(algo, target, tmp_path, shape, **kw) -> Engine:
-    pytest.importorskip(_module_for(algo))
+    pytest.importorskip(module_for(algo))
     steps, topk, tokens = shape
     kw = {"model_path": str(target), "max_total_tokens": 8192, **draft_setup(algo, target, tmp_path), **kw}
     return Engine(dtype="float32", speculative_algorithm=algo, speculative_num_steps=steps,
@@ -212,7 +187,7 @@ SAMPLE_PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
 def test_sampling_matches_target_distribution(algo, sampling, shape, small_target, tmp_path):
     """Seeded requests (the coupled rule): the output is the target's distribution, and each request's
     tokens are plain decoding's for its seed."""
-    pytest.importorskip(_module_for(algo))
+    pytest.importorskip(module_for(algo))
     steps, topk, tokens = shape
     kw = {"model_path": str(small_target), **draft_setup(algo, small_target, tmp_path, vocab=VOCAB)}
     eng = Engine(dtype="float32", max_total_tokens=32768, max_running_requests=256, speculative_algorithm=algo,

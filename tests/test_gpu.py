@@ -1,0 +1,219 @@
+"""The CUDA path, on a GPU: run by benchmarks/gpu_check.sh (pytest -m gpu tests/test_gpu.py, with
+TRITON_INTERPRET=0), deselected from the default run and skipped without CUDA.
+
+- Lossless: greedy output identical to plain decoding's for every algorithm, a chain and a tree, eager
+  (torch attention) and with Triton attention + CUDA graphs; fp32, where equality holds on a GPU.
+- CUDA graphs: a replayed decode or verify forward gives the bits of the same forward run eagerly, and
+  reads the inputs it is replayed with.
+- The Triton paged-attention kernel, compiled, against its torch reference.
+- One host synchronisation per decode step (torch.cuda's sync debug mode counts them).
+- Tensor parallelism over two GPUs, where there are two.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+
+from engine import Engine
+from engine.sampling_params import SamplingParams
+from tests.drafts import ALGOS, draft_setup
+from tests.tiny import make_model, random_prompts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
+SHAPES = {"chain": (3, 1, 4), "tree": (3, 2, 6)}
+MODES = {"eager": {"attention_backend": "torch", "disable_cuda_graph": True},
+         "triton-graphs": {"attention_backend": "triton", "cuda_graph_max_bs": 8}}
+
+
+@pytest.fixture(autouse=True)
+def _compiled_triton():
+    # tests/conftest.py picks Triton's interpreter unless told otherwise: on a GPU that would test numpy.
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.fail("TRITON_INTERPRET=1: run TRITON_INTERPRET=0 pytest -m gpu tests/test_gpu.py "
+                    "(benchmarks/gpu_check.sh does)")
+
+
+def cuda_engine(model_dir, algo=None, shape=(3, 1, 4), **kw) -> Engine:
+    spec = {}
+    if algo:
+        steps, topk, tokens = shape
+        spec = dict(speculative_algorithm=algo, speculative_num_steps=steps, speculative_eagle_topk=topk,
+                    speculative_num_draft_tokens=tokens)
+    return Engine(**{"model_path": str(model_dir), "device": "cuda", "dtype": "float32", "max_total_tokens": 8192,
+                     "max_running_requests": 8, **spec, **kw})
+
+
+def greedy(eng: Engine, prompts, **params) -> list[list[int]]:
+    return [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params={**GREEDY, **params})]
+
+
+def prompts() -> list[list[int]]:
+    return random_prompts(4, seed=11) + [[10, 11, 12, 13, 14, 15] * 5]     # repetitive: drafts get accepted
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("target"), "llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    """Plain greedy outputs per mode (the reference is the target as served in that mode)."""
+    return {mode: greedy(cuda_engine(target, **flags), prompts()) for mode, flags in MODES.items()}
+
+
+# ---------------------------------------------------------------------------------------- lossless
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("algo", ALGOS)
+def test_greedy_identical_on_cuda(algo, shape, mode, target, plain, tmp_path):
+    kw = {**MODES[mode], **draft_setup(algo, target, tmp_path)}
+    eng = cuda_engine(kw.pop("model_path", target), algo, SHAPES[shape], **kw)
+    outs = eng.generate(input_ids=prompts(), sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == plain[mode]
+    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
+    if mode == "triton-graphs":
+        assert eng._target.graphs is not None and eng._target.graphs._graphs, "no CUDA graph was captured"
+
+
+# ---------------------------------------------------------------------------------------- CUDA graphs
+def random_decode_batch(eng: Engine, batch: int, tokens: int, context: int, seed: int):
+    """`batch` requests of `tokens` new tokens (a causal tree past one) over `context` cached positions
+    of random K/V, on table rows of their own: a decode or verify step as the worker lays it out."""
+    from engine.forward_batch import make_batch
+
+    g = torch.Generator().manual_seed(seed)
+    kv, pool = eng._kv, eng._target.kv_pool
+    for buf in pool.k + pool.v:
+        buf[1:kv.pad_slot].normal_(generator=torch.Generator(buf.device).manual_seed(seed))
+    slots = torch.randperm(kv.pad_slot - 1, generator=g)[:batch * (context + tokens)] + 1
+    for b in range(batch):
+        kv.table[1 + b, :context] = slots[b * context:(b + 1) * context].to(kv.table.device)
+    out_slots = slots[batch * context:]                 # made outside inference mode, as the allocator's
+    with torch.inference_mode():
+        masks = torch.ones((batch, tokens, tokens), dtype=torch.bool, device=kv.table.device).tril() if tokens > 1 else None
+        return make_batch(kv.table, list(range(1, batch + 1)), [context] * batch,
+                          torch.randint(3, 300, (batch * tokens,), generator=g), out_slots, [tokens] * batch,
+                          masks=masks)
+
+
+@pytest.mark.parametrize("tokens", [1, 6], ids=["decode", "verify"])
+def test_graph_replay_equals_eager(tokens, target):
+    eng = cuda_engine(target, **MODES["triton-graphs"])
+    runner = eng._target
+    graphs = runner.graphs
+    with torch.inference_mode():
+        for seed in (1, 2):     # the second replays the first's graph on new inputs
+            batch = random_decode_batch(eng, 4, tokens, 40, seed)            # 4: a bucket, no padding
+            replayed = runner.forward(batch, all_logits=True, decode=True).logits.clone()
+            runner.graphs = None
+            eager = runner.forward(batch, all_logits=True, decode=True).logits
+            runner.graphs = graphs
+            assert torch.equal(replayed, eager), f"max |diff| {(replayed - eager).abs().max().item():.3g}"
+    assert any(key[0] == 4 and key[1] == tokens for key in graphs._graphs)
+
+
+# ---------------------------------------------------------------------------------------- Triton kernel
+def ragged_case(kinds: list[str], heads: int, kv_heads: int, dim: int, dtype, seed: int):
+    """Arguments of paged_attention for requests of the given kinds (decode: 1 query; prefill: several,
+    causal; tree: 6 nodes under an ancestor mask) over a random cache, on the GPU."""
+    g = torch.Generator().manual_seed(seed)
+    slots_total = 4096
+    k_cache = torch.randn(slots_total, kv_heads, dim, generator=g)
+    v_cache = torch.randn(slots_total, kv_heads, dim, generator=g)
+    perm = torch.randperm(slots_total - 1, generator=g) + 1
+    table = torch.zeros((len(kinds), 1024), dtype=torch.long)
+    prefix, new, used = [], [], 0
+    for b, kind in enumerate(kinds):
+        p = int(torch.randint(0, 700, (1,), generator=g))
+        n = {"decode": 1, "prefill": int(torch.randint(2, 40, (1,), generator=g)), "tree": 6}[kind]
+        table[b, :p] = perm[used:used + p]
+        prefix.append(p), new.append(n)
+        used += p
+    tails = torch.zeros((len(kinds), max(new)), dtype=torch.long)
+    for b, n in enumerate(new):
+        tails[b, :n] = perm[used:used + n]
+        used += n
+    mask = None
+    if "tree" in kinds:         # node i sees itself and its ancestors (parents 0,0,1,1,2); others causal
+        mask = torch.ones((len(kinds), max(new), max(new)), dtype=torch.bool).tril()
+        tree = torch.eye(6, dtype=torch.bool)
+        for i, parent in enumerate([-1, 0, 0, 1, 1, 2]):
+            if parent >= 0:
+                tree[i] |= tree[parent]
+        for b, kind in enumerate(kinds):
+            if kind == "tree":
+                mask[b, :6, :6] = tree
+    qo_indptr = torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(new).cumsum(0)])
+    q = torch.randn(sum(new), heads, dim, generator=g)
+    args = [q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), qo_indptr, table, torch.arange(len(kinds)),
+            torch.tensor(prefix), tails, torch.tensor(new), mask, dim ** -0.5]
+    return [a.cuda() if isinstance(a, torch.Tensor) else a for a in args], max(new)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 16), (32, 8, 128), (14, 2, 64)],
+                         ids=["tiny", "llama-8b", "qwen-0.5b"])
+@pytest.mark.parametrize("kinds", [["decode"] * 3, ["prefill", "prefill"], ["tree", "tree"],
+                                   ["decode", "tree", "prefill"]], ids=["decode", "prefill", "tree", "mixed"])
+def test_triton_kernel_matches_reference(kinds, heads, kv_heads, dim, dtype):
+    from spec_kernels.paged_attention import attention_reference, paged_attention
+
+    args, max_queries = ragged_case(kinds, heads, kv_heads, dim, dtype, seed=len(kinds) + dim)
+    got = paged_attention(*args, max_queries).float().cpu()
+    want = attention_reference(*[a.cpu().float() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                 else a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
+    # tl.dot takes fp32 inputs as TF32 on these GPUs: agreement to TF32's precision, not bit for bit.
+    tol = 2e-2 if dtype == torch.float32 else 6e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------------------------------- host syncs
+def syncs_per_decode_step(eng: Engine, steps: int = 6) -> list[Counter]:
+    """Per decode step (after every request's prefill), the synchronising CUDA calls it made, by the
+    Python line that made them."""
+    reqs = [eng.make_request(p, SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True)) for p in prompts()]
+    for req in reqs:
+        eng.add_request(req)
+    while any(r.num_output == 0 for r in reqs):
+        eng.step()
+    counts = []
+    for _ in range(steps):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                eng.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)))
+    eng.abort_all()
+    return counts
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("algo", [None, "EAGLE3", "NGRAM"])
+def test_one_host_sync_per_decode_step(algo, mode, target, tmp_path):
+    kw = {**MODES[mode], **draft_setup(algo, target, tmp_path)} if algo else dict(MODES[mode])
+    eng = cuda_engine(kw.pop("model_path", target), algo, SHAPES["tree"], **kw)
+    counts = syncs_per_decode_step(eng)
+    worst = max(counts, key=lambda c: sum(c.values()))
+    assert sum(worst.values()) <= 1, f"{[sum(c.values()) for c in counts]} syncs per step; worst step's: {dict(worst)}"
+
+
+# ---------------------------------------------------------------------------------------- tensor parallel
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("algo", [None, "EAGLE3"])
+def test_tensor_parallel_two_gpus(algo, target, tmp_path):
+    kw = draft_setup(algo, target, tmp_path) if algo else {}
+    model = kw.pop("model_path", target)
+    expected = greedy(cuda_engine(model, algo, **kw), prompts())
+    with cuda_engine(model, algo, tp_size=2, **kw) as eng:
+        assert greedy(eng, prompts()) == expected
