@@ -24,12 +24,14 @@ DATASET_PANEL = "Prompts"
 Dataset = Annotated[Optional[Literal[DATASET_NAMES]], typer.Option(
     "--dataset", rich_help_panel=DATASET_PANEL, show_default=False,
     help="Prompt set: mt-bench (default; both turns, the second after the model's own answer), gsm8k, humaneval, "
-         "sharegpt, or random (synthetic, see --random-*). Named sets are read from $SPEC_DATASETS_DIR or "
+         "sharegpt, random (synthetic, see --random-*), or code-edit (edits of Python standard-library functions, "
+         "each with the function as its prediction, see --use-prediction). Named sets are read from $SPEC_DATASETS_DIR or "
          "shared/datasets/; a missing one is an error that says which file to fetch.")]
 DatasetPath = Annotated[Optional[Path], typer.Option(
     "--dataset-path", metavar="FILE", rich_help_panel=DATASET_PANEL, show_default=False,
     help="Read prompts from FILE instead: a question.jsonl (one {\"turns\": [...], \"category\": ...} a line; "
-         "\"prompt\" or \"question\" also work) or a ShareGPT .json.")]
+         "\"prompt\" or \"question\" also work; a \"prediction\" string is the first turn's Predicted Output) "
+         "or a ShareGPT .json.")]
 NumPrompts = Annotated[Optional[int], typer.Option(
     "--num-prompts", "-n", min=1, rich_help_panel=DATASET_PANEL,
     help="Use this many prompts, taken across categories in turn (default: all; random: 32).")]
@@ -62,6 +64,11 @@ def bench(
         "--compare-baseline", rich_help_panel=PANEL,
         help="Also run every request without speculation, interleaved in the same process, and report the "
              "speedup (and, when greedy, how many outputs differ).")] = False,
+    use_prediction: Annotated[bool, typer.Option(
+        "--use-prediction", rich_help_panel=PANEL,
+        help="Send each prompt's prediction (OpenAI's Predicted Outputs; --dataset code-edit) and run the same "
+             "requests without it, interleaved: the speedup predictions give, with accepted and rejected "
+             "prediction tokens.")] = False,
     url: Annotated[Optional[str], typer.Option(
         "--url", rich_help_panel=PANEL, show_default=False,
         help="Benchmark a running OpenAI-compatible server (spec serve, SGLang, vLLM) through streaming "
@@ -91,7 +98,8 @@ def bench(
     if plot is not None:
         require_matplotlib()     # before the run, not after it
     opts = BenchOptions(dataset, str(dataset_path) if dataset_path else None, num_prompts, max_new_tokens, temperature,
-                        max_concurrency, random_input_len, random_output_len, url, baseline_url, compare_baseline)
+                        max_concurrency, random_input_len, random_output_len, url, baseline_url, compare_baseline,
+                        use_prediction)
     with BarProgress(Console(stderr=True)) as progress:
         result = run_bench(args, opts, progress)
     print_bench(Console(), result)

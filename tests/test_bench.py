@@ -255,3 +255,36 @@ def test_unreachable_url_is_one_line():
     assert_user_error(run("bench", "--url", "localhost:1", "--dataset", "random"), "http://")
     assert_user_error(run("bench", "--url", f"http://127.0.0.1:{port}", "--compare-baseline", "--dataset", "random"),
                       "--baseline-url")
+
+
+# --- Predicted Outputs --------------------------------------------------------------------------------
+def test_code_edit_prompts_carry_the_function_as_prediction():
+    convs = load_conversations("code-edit", num_prompts=4)
+    assert len(convs) == 4 and all(c.category == "code-edit" for c in convs)
+    for c in convs:
+        code = c.prediction.removeprefix("```python\n").removesuffix("\n```")
+        assert 30 <= len(code.splitlines()) <= 150 and code in c.turns[0]
+    assert [c.turns for c in load_conversations("code-edit", num_prompts=4)] == [c.turns for c in convs]
+
+
+def test_use_prediction_runs_with_and_without_predictions(model_dir, tmp_path):
+    """--use-prediction: the same requests with their predictions and without, interleaved; greedy outputs
+    agree, and the prediction tokens verified are reported."""
+    from engine.engine import Engine
+
+    engine = Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=4096)
+    rows = []
+    for i, row in enumerate(ROWS):
+        answer = engine.generate(prompt=row["turns"][0], sampling_params={"max_new_tokens": 16, "temperature": 0})
+        rows.append({**row, "turns": row["turns"][:1], "prediction": answer["text"] if i % 2 else "unrelated"})
+    path, out = tmp_path / "predicted.jsonl", tmp_path / "run.json"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = run("bench", *engine_flags(model_dir), "--dataset-path", str(path), "--max-new-tokens", "16",
+                 "--use-prediction", "--output", str(out))
+    assert result.exit_code == 0, result.output
+    assert "without predictions" in result.output
+    data = json.loads(out.read_text())
+    assert data["label"] == "prediction" and data["baseline"]["prediction_tokens"] is None
+    assert data["prediction_tokens"]["requests"] == len(ROWS) and data["differing_outputs"] == 0
+    assert_user_error(run("bench", *engine_flags(model_dir), "--dataset-path", str(tmp_path / "predicted.jsonl"),
+                          "--use-prediction", "--compare-baseline"), "--use-prediction")

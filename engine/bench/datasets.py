@@ -7,6 +7,9 @@ the model's own answer to the previous one (MT-Bench's second turn asks to rewor
 - ShareGPT JSON (`--dataset sharegpt` or a `.json` path): a list of `{"conversations": [{"from": "human",
   "value": ...}, ...]}`; the first human turn of each is sent.
 - random: synthetic prompts of `input_len` words with fixed `output_len`-token answers (EOS ignored).
+- code-edit: edit instructions over functions of Python's standard library, each with the function as
+  its Predicted Output (engine/bench/code_edit.py). A question.jsonl row may carry a `prediction` string
+  too, sent with its first turn under `--use-prediction`.
 
 Named datasets are looked up in $SPEC_DATASETS_DIR when set, else in `shared/datasets/` beside the
 source tree and in ~/.cache/spec/datasets. They are never downloaded behind the user's back: a missing
@@ -15,6 +18,7 @@ file is an error that gives the command fetching it and where to put it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -25,6 +29,7 @@ from typing import Optional
 from engine.bench import BenchError
 
 RANDOM = "random"
+CODE_EDIT = "code-edit"
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,7 @@ class Conversation:
     turns: tuple[str, ...]
     index: int                               # position in the loaded set: fixes each turn's sampling seed
     max_new_tokens: Optional[int] = None     # a fixed answer length (random), sent with ignore_eos
+    prediction: Optional[str] = None         # Predicted Output of the first turn (--use-prediction)
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,7 @@ KNOWN: dict[str, KnownDataset] = {
                              "https://huggingface.co/datasets/anon8231489123/ShareGPT_Vicuna_unfiltered/resolve/main/"
                              "ShareGPT_V3_unfiltered_cleaned_split.json", _CURL),
 }
-DATASET_NAMES = (*KNOWN, RANDOM)
+DATASET_NAMES = (*KNOWN, RANDOM, CODE_EDIT)
 
 # Common words: a random prompt of n words is about n tokens for most tokenizers.
 _WORDS = ("time year people way day man thing woman life child world school state family student group "
@@ -98,6 +104,14 @@ def load_conversations(dataset: Optional[str] = None, path: Optional[str] = None
         if input_len < 1 or output_len < 1:
             raise BenchError("--random-input-len and --random-output-len must be at least 1.")
         return random_conversations(num_prompts or 32, input_len, output_len, seed)
+    if dataset == CODE_EDIT:
+        if path is not None:
+            raise BenchError("--dataset code-edit builds its prompts from Python's standard library; drop "
+                             "--dataset-path (or pass a question.jsonl with \"prediction\" fields alone).")
+        from engine.bench.code_edit import CATEGORY, code_edit_rows
+
+        return [Conversation(ident, CATEGORY, (prompt,), i, prediction=prediction)
+                for i, (ident, prompt, prediction) in enumerate(code_edit_rows(num_prompts or 32, seed))]
     name = dataset or ("mt-bench" if path is None else None)
     file = Path(path) if path is not None else find_dataset(name)
     if not file.is_file():
@@ -142,7 +156,11 @@ def parse_question_jsonl(file: Path, category: str) -> list[Conversation]:
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
             raise BenchError(f"{where} needs \"turns\" (a list of non-empty strings) or a \"prompt\" string.")
         ident = next((row[k] for k in ("question_id", "task_id", "id") if k in row), line_no)
-        rows.append(Conversation(str(ident), str(row.get("category") or category), tuple(turns), len(rows)))
+        prediction = row.get("prediction")
+        if prediction is not None and not isinstance(prediction, str):
+            raise BenchError(f"{where}: \"prediction\" must be a string (the text the answer may repeat).")
+        rows.append(Conversation(str(ident), str(row.get("category") or category), tuple(turns), len(rows),
+                                 prediction=prediction))
     return rows
 
 
@@ -179,4 +197,4 @@ def interleave_categories(rows: list[Conversation], n: Optional[int]) -> list[Co
     queues = list(by_category.values())
     ordered = [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
     picked = ordered[:n] if n else ordered
-    return [Conversation(c.id, c.category, c.turns, i, c.max_new_tokens) for i, c in enumerate(picked)]
+    return [dataclasses.replace(c, index=i) for i, c in enumerate(picked)]

@@ -34,6 +34,7 @@ class TurnResult:
     output: object                          # token ids (offline) or text (online), compared with the baseline
     verify_ct: Optional[int] = None         # speculative verifications (offline)
     accepted: Optional[int] = None          # draft tokens accepted (offline)
+    predicted: Optional[tuple[int, int]] = None     # prediction tokens accepted and rejected
 
 
 @dataclass

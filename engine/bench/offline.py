@@ -54,11 +54,16 @@ class ChatEncoder:
         return self.tokenizer.encode("\n\n".join(m["content"] for m in messages) + "\n\n")
 
 
-def sampling_for(conv: Conversation, turn: int, max_new_tokens: int, temperature: float, seed: int) -> dict:
-    """The same sampling parameters, seed included, for a turn whatever the backend or configuration."""
+def sampling_for(conv: Conversation, turn: int, max_new_tokens: int, temperature: float, seed: int,
+                 prediction: bool = False) -> dict:
+    """The same sampling parameters, seed included, for a turn whatever the backend or configuration;
+    with `prediction`, the conversation's Predicted Output on its first turn."""
     fixed = conv.max_new_tokens is not None
-    return {"max_new_tokens": conv.max_new_tokens if fixed else max_new_tokens, "temperature": temperature,
-            "ignore_eos": fixed, "seed": seed * 1_000_003 + conv.index * 16 + turn}
+    params = {"max_new_tokens": conv.max_new_tokens if fixed else max_new_tokens, "temperature": temperature,
+              "ignore_eos": fixed, "seed": seed * 1_000_003 + conv.index * 16 + turn}
+    if prediction and turn == 0 and conv.prediction is not None:
+        params["prediction"] = conv.prediction
+    return params
 
 
 @dataclass
@@ -73,9 +78,9 @@ class _Live:
 
 class OfflineBackend:
     def __init__(self, engine, name: str, args: ServerArgs, *, concurrency: int, max_new_tokens: int,
-                 temperature: float):
+                 temperature: float, prediction: bool = False):
         self.engine, self.name, self.args = engine, name, args
-        self.concurrency = concurrency
+        self.concurrency, self.prediction = concurrency, prediction
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.chat = ChatEncoder(engine.tokenizer)
 
@@ -91,7 +96,8 @@ class OfflineBackend:
 
         def start(conv: Conversation, turn: int, history: list[dict]) -> None:
             messages = history + [{"role": "user", "content": conv.turns[turn]}]
-            params = sampling_for(conv, turn, self.max_new_tokens, self.temperature, self.args.random_seed)
+            params = sampling_for(conv, turn, self.max_new_tokens, self.temperature, self.args.random_seed,
+                                  self.prediction)
             req = engine.make_request(self.chat.encode(messages), SamplingParams.from_dict(params))
             engine.add_request(req)
             live[req] = _Live(conv, turn, messages, last=req.arrival)
@@ -130,7 +136,9 @@ class OfflineBackend:
         if reason is not None and reason.type == "abort":
             raise BenchError(f"Request {state.conv.id} (turn {state.turn + 1}) was aborted: {reason.message}.")
         spec = self.args.speculative_algorithm is not None
+        predicted = req.prediction
         return TurnResult(state.conv.id, state.conv.category, state.turn, req.prompt_len, req.num_output,
                           None if req.first_token_time is None else req.first_token_time - req.arrival,
                           req.finish_time - req.arrival, state.gaps, req.output_ids,
-                          req.spec_verify_ct if spec else None, req.spec_accepted_tokens if spec else None)
+                          req.spec_verify_ct if spec else None, req.spec_accepted_tokens if spec else None,
+                          predicted and (predicted.accepted, predicted.rejected))

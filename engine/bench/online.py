@@ -32,8 +32,8 @@ def base_url(url: str) -> str:
 
 class OnlineBackend:
     def __init__(self, url: str, name: str, *, concurrency: int, max_new_tokens: int, temperature: float,
-                 seed: int = 0, api_key: Optional[str] = None):
-        self.url, self.name = base_url(url), name
+                 seed: int = 0, api_key: Optional[str] = None, prediction: bool = False):
+        self.url, self.name, self.prediction = base_url(url), name, prediction
         self.concurrency, self.max_new_tokens = concurrency, max_new_tokens
         self.temperature, self.seed = temperature, seed
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -101,9 +101,11 @@ class OnlineBackend:
         return results
 
     async def _turn(self, client: httpx.AsyncClient, conv: Conversation, turn: int, messages: list[dict]) -> TurnResult:
-        params = sampling_for(conv, turn, self.max_new_tokens, self.temperature, self.seed)
+        params = sampling_for(conv, turn, self.max_new_tokens, self.temperature, self.seed, self.prediction)
         body = {"model": self.model, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
                 "max_tokens": params["max_new_tokens"], "temperature": params["temperature"], "seed": params["seed"]}
+        if "prediction" in params:
+            body["prediction"] = {"type": "content", "content": params["prediction"]}
         if params["ignore_eos"]:
             body["ignore_eos"] = True       # SGLang's and vLLM's extension, for fixed output lengths
         text, chunks, usage = [], [], None
@@ -135,5 +137,9 @@ class OnlineBackend:
         gaps = [b - a for a, b in zip(chunks, chunks[1:])]
         # Without usage (a server ignoring include_usage), each content chunk is counted as one token.
         completion = usage["completion_tokens"] if usage else len(chunks)
+        details = (usage or {}).get("completion_tokens_details") or {}
+        predicted = ((details["accepted_prediction_tokens"], details["rejected_prediction_tokens"])
+                     if "accepted_prediction_tokens" in details else None)
         return TurnResult(conv.id, conv.category, turn, usage["prompt_tokens"] if usage else 0, completion,
-                          chunks[0] - start if chunks else None, end - start, gaps, "".join(text))
+                          chunks[0] - start if chunks else None, end - start, gaps, "".join(text),
+                          predicted=predicted)

@@ -27,8 +27,12 @@ class BenchOptions:
     url: Optional[str] = None
     baseline_url: Optional[str] = None
     compare_baseline: bool = False
+    use_prediction: bool = False
 
     def check(self) -> None:
+        if self.use_prediction and (self.compare_baseline or self.baseline_url):
+            raise BenchError("--use-prediction compares the same configuration with and without predictions; "
+                             "drop --compare-baseline and --baseline-url.")
         if self.max_new_tokens < 1:
             raise BenchError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}.")
         if self.max_concurrency < 1:

@@ -80,6 +80,9 @@ def bench_table(result: dict) -> Table:
     row("accept length", "accept_length")
     row("accept rate by position", lambda r: " ".join(f"{p:.2f}" for p in r["accept_rate_by_position"] or []) or "-")
     row("decode step (ms)", "step_time_ms", 1)
+    if any(r.get("prediction_tokens") for _, r in runs):
+        row("prediction tokens accepted / rejected", lambda r: "{accepted} / {rejected}".format(
+            **r["prediction_tokens"]) if r.get("prediction_tokens") else "-")
     for key, label in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("e2e_latency_s", "end-to-end")):
         for p in ("mean", "p50", "p90", "p99"):
             row(f"{label} {p} (ms)", lambda r, key=key, p=p: ms(r[key], p))
@@ -110,7 +113,8 @@ def print_bench(console: Console, result: dict) -> None:
     if len(result["categories"]) > 1 or result["baseline"]:
         console.print(category_table(result))
     if result.get("speedup") is not None:
-        line = f"speedup over plain decoding: [bold]{result['speedup']:.2f}x[/bold] (output tokens/s, interleaved runs)"
+        over = "the same requests without predictions" if result["label"] == "prediction" else "plain decoding"
+        line = f"speedup over {over}: [bold]{result['speedup']:.2f}x[/bold] (output tokens/s, interleaved runs)"
         if result.get("differing_outputs") is not None:
             line += (f"; greedy outputs differing from the baseline: {result['differing_outputs']} of "
                      f"{result['num_requests']}")

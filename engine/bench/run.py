@@ -35,7 +35,10 @@ def run_bench(args: ServerArgs, opts: BenchOptions, progress: Optional[Progress]
     conversations = load_conversations(opts.dataset, opts.dataset_path, opts.num_prompts,
                                        input_len=opts.random_input_len, output_len=opts.random_output_len,
                                        seed=args.random_seed)
-    compared = opts.compare_baseline or bool(opts.baseline_url)
+    compared = opts.compare_baseline or bool(opts.baseline_url) or opts.use_prediction
+    if opts.use_prediction and not any(c.prediction for c in conversations):
+        raise BenchError("--use-prediction needs prompts with predictions: --dataset code-edit, or a "
+                         "--dataset-path question.jsonl whose rows carry a \"prediction\" string.")
     progress.phase("connecting" if opts.url else f"loading {args.model_path}")
     backends, config = _online(args, opts) if opts.url else _offline(args, opts, compared)
     progress.phase(backends[0].name, sum(len(c.turns) for c in conversations) * len(backends))
@@ -56,7 +59,7 @@ def _offline(args: ServerArgs, opts: BenchOptions, compared: bool):
     from engine.bench.offline import OfflineBackend, plain_args
     from engine.engine import Engine
 
-    if compared and not args.speculative_algorithm:
+    if compared and not args.speculative_algorithm and not opts.use_prediction:
         raise BenchError("--compare-baseline compares speculative decoding with plain decoding: pass "
                          "--speculative-algorithm (and its draft model) too.")
     engine = Engine(server_args=args)
@@ -64,6 +67,9 @@ def _offline(args: ServerArgs, opts: BenchOptions, compared: bool):
     config = {"server_args": resolved.to_dict(), "model_dir": str(engine.model_dir)}
     common = {"concurrency": opts.max_concurrency, "max_new_tokens": opts.max_new_tokens,
               "temperature": opts.temperature}
+    if opts.use_prediction:         # the same configuration, with and without the predictions
+        return [OfflineBackend(engine, "prediction", resolved, prediction=True, **common),
+                OfflineBackend(engine, "baseline", resolved, **common)], config
     name = "spec" if args.speculative_algorithm else "plain"
     backends = [OfflineBackend(engine, name, resolved, **common)]
     if compared:
@@ -77,14 +83,17 @@ def _online(args: ServerArgs, opts: BenchOptions):
     key = args.api_key or os.environ.get("SPEC_API_KEY")
     common = {"concurrency": opts.max_concurrency, "max_new_tokens": opts.max_new_tokens,
               "temperature": opts.temperature, "seed": args.random_seed, "api_key": key}
-    main = OnlineBackend(opts.url, "server", **common)
+    main = OnlineBackend(opts.url, "prediction" if opts.use_prediction else "server", prediction=opts.use_prediction,
+                         **common)
     backends = [main]
+    if opts.use_prediction:
+        backends.append(OnlineBackend(opts.url, "baseline", **common))
     config = {"url": main.url, "model": main.model, "server_info": _static_info(main.server_info)}
     if opts.baseline_url:
         base = OnlineBackend(opts.baseline_url, "baseline", **common)
         backends.append(base)
         config.update(baseline_url=base.url, baseline_server_info=_static_info(base.server_info))
-    if main.server_info.get("speculative_algorithm"):
+    if main.server_info.get("speculative_algorithm") and not opts.use_prediction:
         main.name = "spec"
     return backends, config
 

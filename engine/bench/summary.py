@@ -41,7 +41,16 @@ def summarize(passes: Sequence[PassResult]) -> dict:
         "itl_s": distribution([g for t in turns for g in t.gaps]),
         "e2e_latency_s": distribution([t.e2e for t in turns]),
         "categories": categories(turns),
+        "prediction_tokens": prediction_tokens(turns),
     }
+
+
+def prediction_tokens(turns: Sequence[TurnResult]) -> Optional[dict]:
+    """Predicted Output tokens accepted and rejected, over the requests that sent a prediction."""
+    sent = [t.predicted for t in turns if t.predicted is not None]
+    if not sent:
+        return None
+    return {"requests": len(sent), "accepted": sum(a for a, _ in sent), "rejected": sum(r for _, r in sent)}
 
 
 def categories(turns: Sequence[TurnResult]) -> dict[str, dict]:
