@@ -5,7 +5,10 @@ prediction is found again after an edit; usage counts what was verified."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from engine import Engine
 from engine.errors import RequestError
@@ -166,3 +169,50 @@ def test_text_prediction_and_bad_predictions(model):
         with pytest.raises(RequestError, match=says) as err:
             eng.generate(prompt="hi", sampling_params={**GREEDY, "prediction": bad})
         assert err.value.param == "prediction"
+
+
+def test_prediction_under_grammar_stop_strings_and_logit_bias(model):
+    """A prediction with structured output, stop strings and logit_bias: the output is the one without
+    the prediction, and a drafted prediction token the grammar refuses is never accepted."""
+    eng = Engine(model_path=str(model), dtype="float32", max_total_tokens=8192,
+                 constrained_json_disable_any_whitespace=True)
+    p = random_prompts(1, seed=12, lo=15, hi=16)[0]
+    schema = {"type": "object", "properties": {"kind": {"enum": ["fox", "dog"]}, "n": {"type": "integer"}},
+              "required": ["kind", "n"]}
+    cases = [{"json_schema": json.dumps(schema), "max_new_tokens": 40, "ignore_eos": False},
+             {"logit_bias": {"7": 100.0}, "max_new_tokens": 12}]
+    plain_text = eng.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 30})["text"]
+    if len(plain_text) > 8:
+        cases.append({"stop": [plain_text[4:8]], "max_new_tokens": 30})
+    for extra in cases:
+        params = {**GREEDY, **extra}
+        expected = eng.generate(input_ids=p, sampling_params=params)
+        for pred in (expected["output_ids"], expected["output_ids"][::-1], edits(expected["output_ids"])["changed"]):
+            got = eng.generate(input_ids=p, sampling_params={**params, "prediction": pred})
+            assert got["output_ids"] == expected["output_ids"] and got["text"] == expected["text"], extra
+
+
+@pytest.mark.parametrize("rule", ["coupled", "tree"])
+def test_sampled_output_with_a_prediction_is_the_target_distribution(rule, tmp_path):
+    """Two-token continuations of an 8-token-vocabulary target sampled with a prediction of their most
+    likely pair: under both rules, the target's exact joint distribution (chi-square)."""
+    from engine.sampling_params import SamplingParams
+    from tests.test_speculative_lossless import SAMPLE_PROMPT, SAMPLES, VOCAB, chi_square_p, exact_two_token_distribution
+
+    target = make_model(tmp_path / "small", "llama", seed=5, vocab=VOCAB)
+    eng = Engine(model_path=str(target), dtype="float32", max_total_tokens=32768, max_running_requests=256,
+                 speculative_sampling=rule) if rule != "coupled" else Engine(
+        model_path=str(target), dtype="float32", max_total_tokens=32768, max_running_requests=256)
+    sampling = {"temperature": 0.9}
+    expected = exact_two_token_distribution(target, SAMPLE_PROMPT, SamplingParams(**sampling))
+    best = divmod(int(expected.flatten().argmax()), VOCAB)
+    # Three tokens: the first comes from the prompt's forward, the second is the verified one.
+    params = {**sampling, "max_new_tokens": 3, "ignore_eos": True, "prediction": list(best) + [1, 2]}
+    outs = eng.generate(input_ids=[SAMPLE_PROMPT] * SAMPLES, sampling_params=[
+        {**params, "seed": i} if rule == "coupled" else params for i in range(SAMPLES)])
+    counts = torch.zeros(VOCAB, VOCAB)
+    for o in outs:
+        a, b, _ = o["output_ids"]
+        counts[a, b] += 1
+    assert chi_square_p(counts, expected) > 0.001
+    assert sum(o["meta_info"]["accepted_prediction_tokens"] for o in outs) > SAMPLES * expected[best] / 2
