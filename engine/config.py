@@ -356,7 +356,7 @@ class ServerArgs:
                                   "--speculative-token-map.")
             if self.speculative_sampling == "rejection":
                 raise ConfigError("--speculative-sampling rejection needs draft probabilities; NGRAM drafts are "
-                                  "deterministic: use tree (or auto).")
+                                  "deterministic: use coupled, tree or auto.")
             object.__setattr__(self, "_ngram_auto", all(v is None for v in tree))     # resolved() sizes it by device
             tree = self._ngram_tree(*tree)
             for name, value in zip(_TREE_FIELDS, tree):
@@ -437,7 +437,7 @@ class ServerArgs:
                               "--speculative-eagle-topk, or lower --speculative-num-draft-tokens.")
         if topk > 1 and self.speculative_sampling == "rejection":
             raise ConfigError("--speculative-sampling rejection works on chains: set --speculative-eagle-topk 1, "
-                              "or use tree (or auto) for trees.")
+                              "or use coupled, tree or auto for trees.")
         if draft_tokens < 2:
             raise ConfigError("--speculative-num-draft-tokens must be at least 2 (the root and one draft token).")
 
