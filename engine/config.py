@@ -194,7 +194,7 @@ class ServerArgs:
         "tree node draws the target's token as plain decoding draws it at that output position (from the "
         "request's seed and the position), and a draft is accepted when it equals that draw: the output is "
         "plain decoding's token for token, under every algorithm and tree, and a seeded request repeats "
-        "exactly (model drafts sample with the same uniforms). tree: SGLang's tree speculative sampling "
+        "exactly (model drafts sample with the same keys). tree: SGLang's tree speculative sampling "
         "(drafts treated as deterministic). rejection: min(1, p/q) with the draft's probabilities (chains with "
         "a draft model, topk 1). tree and rejection read uniforms that depend on the drafts, so their output "
         "changes with the drafts. A request that gives a seed is always coupled; this picks the rule for the "

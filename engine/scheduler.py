@@ -320,9 +320,9 @@ class Scheduler:
         requests, less those flight's tokens finish. None where the next step must wait for flight's
         result: a prefill is due (requests waiting, a prompt part-way), flight is a prefill, a request's
         stop test needs its text (stop strings) or its grammar, a prediction's chain needs the tokens,
-        hidden states are captured, a request
-        that ended meanwhile has drafter state to release, or KV is short (only free slots are taken, so
-        that nothing is evicted or retracted earlier than without building ahead)."""
+        hidden states are captured, a request that ended meanwhile has drafter state to release, or KV
+        is short (only free slots are taken, so that nothing is evicted or retracted earlier than without
+        building ahead)."""
         reqs = self.running
         if not (isinstance(flight.step, DecodeStep) and reqs and not self.waiting and self.prefilling is None
                 and [r for r in flight.step.reqs if not r.finished] == reqs and not self.worker.capture

@@ -28,7 +28,7 @@ from engine.step import DecodeStep
 from spec_kernels.cpu_keyed_sample import keyed_sample
 
 # Uniform streams for tokens drafted for rejection sampling, apart from verification's (0 for the
-# target's draws, 1.. for tree sampling's trials). Coupled drafts draw with stream 0, the target's own.
+# target's keys, 1.. for tree sampling's trials). Coupled drafts draw with stream 0's keys, the target's own.
 DRAFT_STREAM = 1000
 
 
@@ -101,7 +101,7 @@ class ModelDrafter(Drafter):
     def _draw(self, reqs: Sequence[Request]) -> Optional[Draw]:
         """Sampled requests' chains are drawn from the draft's distribution, processed by their sampling
         parameters (temperature, top-k/p, min-p; penalties without the drafted path: any q keeps the
-        rules exact). A coupled request draws with the uniform the target draws with at the same output
+        rules exact). A coupled request draws with the key the target draws with at the same output
         position, so that a draft close to the target proposes the target's own draw; one checked by
         rejection sampling draws with uniforms of its own. Tree sampling takes the argmax chain."""
         rules = [None if r.params.greedy else sampling_rule(r, self.sampling) for r in reqs]

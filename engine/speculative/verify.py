@@ -5,7 +5,7 @@ batch of trees at once on the device. Every rule keeps the output exactly the ta
   as plain decoding would there (SamplingBatch.sample: the same distribution, seed and position give the
   same token), and the greedy rule follows those draws. The output is then plain decoding's, token for
   token, whatever the drafts; a draft is accepted with probability p(draft) (a drafter that samples with
-  the same uniforms, coupled with the target's draw, more often).
+  the same keys, coupled with the target's draw, more often).
 - tree sampling (SGLang's, drafts treated as deterministic): at each node try the children in order,
   accepting child c with probability p(c) under the current residual p; a rejected child's token gets
   probability 0 and p is renormalised. If no child is accepted, the bonus is drawn from the residual.
@@ -57,13 +57,17 @@ def verify(tree: TreeBatch, logits: torch.Tensor, sb: SamplingBatch, rules: Sequ
     if sb.all_greedy:
         return _greedy(tree, argmax(sb.adjust(logits))[node_row])
     probs = sb.probs(logits)
-    out = _greedy(tree, sb.sample(logits, probs)[node_row])
     if tree.draft_probs is None:
         rules = ["tree" if r == "rejection" else r for r in rules]
-    for rule, check in (("tree", _tree_sampling), ("rejection", _rejection)):
+    checks = {"coupled": lambda: _greedy(tree, sb.sample(logits, probs)[node_row]),
+              "tree": lambda: _tree_sampling(tree, probs, node_row, sb),
+              "rejection": lambda: _rejection(tree, probs, node_row, sb)}
+    out = None
+    for rule in RULES:                  # each rule's acceptance, computed for the batch where used
         use = [r == rule for r in rules]
         if any(use):
-            out = _select(use, check(tree, probs, node_row, sb), out)
+            got = checks[rule]()
+            out = got if out is None else _select(use, got, out)
     return out
 
 
