@@ -21,24 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
 
 from bench_engine import first_turns  # noqa: E402  (benchmarks/ is run as a script folder)
+from bench_llamacpp import cpu_flags
 
 DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
-
-
-def cpu_flags() -> str:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return platform.processor()
-    keep = [f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "avx_vnni")]
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
-    return f"{model}: {' '.join(keep)}"
 
 
 def decode_rate(engine, ids: list[int], params: dict) -> tuple[float, float]:

@@ -22,8 +22,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from bench_determinism import cpu_flags  # noqa: E402  (benchmarks/ is run as a script folder)
-from bench_llamacpp import build_llama_cpp
+from bench_llamacpp import build_llama_cpp, cpu_flags  # noqa: E402  (benchmarks/ is run as a script folder)
 
 from engine.bench.code_edit import code_edit_rows
 

@@ -286,11 +286,10 @@ class Scheduler:
         for r in reqs:
             p = r.prediction
             tail = r.token_ids[-ANCHOR_MAX:]
-            if p is None or not p.remaining(tail):
-                chains.append([])
-                continue
-            room = min(p.remaining(tail), r.remaining_tokens() - 1, self.context_len - r.seq_len - 1)
-            chains.append(p.chain(tail, chain_length(p.rate, room, lambda k: self.cost.relative(rows, k))))
+            left = p.remaining(tail) if p is not None else 0        # finds the place first, when lost
+            room = min(left, r.remaining_tokens() - 1, self.context_len - r.seq_len - 1)
+            chains.append(p.chain(tail, chain_length(p.rate, room, lambda k: self.cost.relative(rows, k)))
+                          if left else [])
         return chains if any(chains) else None
 
     # ------------------------------------------------------------------ running a step

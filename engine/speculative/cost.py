@@ -15,7 +15,6 @@ MIN_SLOPE = 0.002                 # rows are never free: keeps a noisy fit from 
 class StepCost:
     def __init__(self, prior_slope: float):
         """prior_slope: b / a, the share of a one-row step each further row adds, before measurements."""
-        self.prior_slope = prior_slope
         self._steps: deque[tuple[int, float]] = deque(maxlen=WINDOW)
         self._fit: tuple[float, float] = (1.0, prior_slope)
 

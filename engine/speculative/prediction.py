@@ -7,9 +7,8 @@ is expected to produce next. Every committed token that equals it moves it on; a
 the place (an edit). The place is found again by prompt lookup: the output's newest few tokens looked
 up in the prediction, the first occurrence after the last place the output confirmed (edits move
 forward through a document), so after an insertion, a deletion or a changed line the unchanged rest
-drafts again. Matching is on the
-prediction's own tokens: the same text inside the answer may be cut into tokens differently at the
-edges of an edit, and a few tokens on the cuts fall in line again.
+drafts again. Matching is on the prediction's own tokens: the same text inside the answer may be cut
+into tokens differently at the edges of an edit, and a few tokens on the cuts fall in line again.
 
 How many tokens to verify comes from `chain_length`: the expected accepted tokens of a chain of k
 (geometric in the request's recent acceptance rate) against the measured cost of k more rows in the

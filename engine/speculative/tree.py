@@ -101,7 +101,7 @@ class TreeBatch:
         parent[rows, cols] = torch.tensor(parents, dtype=torch.long, device=device)
         chain = self.is_chain and all(n == 1 for n, c in zip(self.sizes, chains) if c)
         return TreeBatch(tokens, parent, sizes, chain, max(self.max_depth, max(map(len, chains))),
-                         max(self.max_children + 1, 1))
+                         self.max_children + 1)
 
     @classmethod
     def roots(cls, roots: torch.Tensor) -> "TreeBatch":
