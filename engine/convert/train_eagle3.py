@@ -153,7 +153,7 @@ def train(opts: TrainOptions, progress: Optional[Progress] = None) -> dict:
         if trainer.planned_done():
             raise ConvertError(f"--resume: the checkpoint has trained {trainer.step} steps, {trainer.elapsed / 60:.1f} "
                                "min: all that --epochs, --max-steps and --time-budget allow (they count every "
-                               "sitting). Raise them to train on.")
+                               "run resumed so far). Raise them to train on.")
     trainer.run(progress, lambda: _save(output, draft, draft_config, target_ids, d2t, t2d, trainer))
     report = {
         "target": str(target_dir), "aux_layers_hf_indices": list(aux), "device": device,
