@@ -43,8 +43,10 @@ def spec_case(model: str, algo: str, dataset: Path, max_new: int) -> dict:
 
     args = ServerArgs(model_path=model, speculative_algorithm=None if algo == "none" else algo)
     result = run_bench(args, BenchOptions(dataset_path=str(dataset), max_new_tokens=max_new, use_prediction=True))
-    return {"with": result["output_tokens_per_s"], "without": result["baseline"]["output_tokens_per_s"],
-            "speedup": result["speedup"], "differing": result["differing_outputs"],
+    base = result["baseline"]
+    return {"with": result["output_tokens_per_s"], "without": base["output_tokens_per_s"],
+            "speedup": result["speedup"], "decode_with": result["decode_tokens_per_s"],
+            "decode_without": base["decode_tokens_per_s"], "differing": result["differing_outputs"],
             "tokens": result["completion_tokens"], **result["prediction_tokens"]}
 
 
@@ -78,6 +80,9 @@ def main() -> None:
                 print(f"{kind:9s} {algo:6s} with {r['with']:6.1f} tok/s  without {r['without']:6.1f}  "
                       f"x{r['speedup']:.2f}  ({r['with'] / llama:.2f}x llama.cpp plain)  accepted {r['accepted']} "
                       f"rejected {r['rejected']} of {r['tokens']} tokens  differing {r['differing']}", flush=True)
+                print(f"{'':16s} decode (after the first token): with {r['decode_with']:6.1f} tok/s  without "
+                      f"{r['decode_without']:6.1f}  x{r['decode_with'] / r['decode_without']:.2f}  "
+                      f"({r['decode_with'] / llama:.2f}x llama.cpp plain)", flush=True)
 
 
 if __name__ == "__main__":

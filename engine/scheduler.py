@@ -282,14 +282,17 @@ class Scheduler:
         if all(r.prediction is None for r in reqs):
             return None
         rows = len(reqs) * self.worker.num_draft_tokens        # the step's rows without chains
+
+        def cost(k: int) -> float:
+            return self.cost.relative(rows, k)
+
         chains = []
         for r in reqs:
             p = r.prediction
             tail = r.token_ids[-ANCHOR_MAX:]
             left = p.remaining(tail) if p is not None else 0        # finds the place first, when lost
             room = min(left, r.remaining_tokens() - 1, self.context_len - r.seq_len - 1)
-            chains.append(p.chain(tail, chain_length(p.rate, room, lambda k: self.cost.relative(rows, k)))
-                          if left else [])
+            chains.append(p.chain(tail, chain_length(p.chance, room, cost)) if left else [])
         return chains if any(chains) else None
 
     # ------------------------------------------------------------------ running a step

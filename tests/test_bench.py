@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from engine.bench import BenchError
 from engine.bench.datasets import datasets_dirs, interleave_categories, load_conversations
-from engine.bench.measure import SpecCounts
+from engine.bench.measure import SpecCounts, TurnResult
+from engine.bench.summary import decode_speed
 from spec_cli.main import app
 from tests.tiny import make_model
 
@@ -288,3 +289,12 @@ def test_use_prediction_runs_with_and_without_predictions(model_dir, tmp_path):
     assert data["prediction_tokens"]["requests"] == len(ROWS) and data["differing_outputs"] == 0
     assert_user_error(run("bench", *engine_flags(model_dir), "--dataset-path", str(tmp_path / "predicted.jsonl"),
                           "--use-prediction", "--compare-baseline"), "--use-prediction")
+
+
+def test_decode_speed_leaves_the_first_token_out():
+    """Tokens after the first over the time after the first, summed over requests: prefill left out."""
+    def turn(tokens, ttft, e2e):
+        return TurnResult("c", "x", 0, 10, tokens, ttft, e2e, [], None)
+
+    assert decode_speed([turn(11, 5.0, 6.0), turn(31, 1.0, 2.0)]) == pytest.approx(40 / 2.0)
+    assert decode_speed([turn(1, 1.0, 1.0)]) is None             # one token: no decode phase

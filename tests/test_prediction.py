@@ -64,6 +64,19 @@ def test_reanchor_takes_the_first_occurrence_after_the_confirmed_place():
     assert pred.place([42, 1, 2, 3]) == 8
 
 
+def test_one_token_agreeing_by_chance_does_not_move_the_lookups_on():
+    """Repetitive text: after an edit, a lookup finds a place further on and the next token agrees
+    there by chance; when the output then leaves it, the place it really is at is found again."""
+    pred = Prediction(list(range(10)) + [50, 51, 52, 53, 54, 55, 56, 57, 77, 52, 99, 98])
+    for t in list(range(10)) + [50]:
+        pred.follow(t)
+    pred.follow(77)                                   # the edit: 51 became 77
+    assert pred.place([9, 50, 77]) == 19              # 77 occurs once: the wrong place, after 77
+    pred.follow(52)                                   # agrees there by chance
+    pred.follow(53)
+    assert pred.place([50, 77, 52, 53]) == 14         # where the output really is
+
+
 def test_token_boundaries_that_differ_fall_in_line():
     """The same text cut into tokens differently inside the answer (a merged token at an edit's edge):
     the tokens after the cut match the prediction's own again."""
@@ -78,9 +91,38 @@ def test_token_boundaries_that_differ_fall_in_line():
 
 def test_chain_length_follows_acceptance_and_cost():
     cheap, dear = (lambda k: 1 + 0.01 * k), (lambda k: 1 + 0.2 * k)
-    assert chain_length(0.95, 64, cheap) > chain_length(0.95, 64, dear) > 0
-    assert chain_length(0.05, 64, dear) == 0                # a failing prediction costs nothing
-    assert chain_length(0.99, 5, cheap) == 5                # never past what is left
+    def rate(r):
+        return lambda i: r
+
+    def doubtful(first):                                  # a place not yet confirmed: its first tokens
+        return lambda i: first if i < 2 else 0.95
+
+    assert chain_length(rate(0.95), 64, cheap) > chain_length(rate(0.95), 64, dear) > 0
+    assert chain_length(rate(0.05), 64, dear) == 0          # a failing prediction costs nothing
+    assert chain_length(rate(0.99), 5, cheap) == 5          # never past what is left
+    # Doubtful first tokens shorten the chain, down to none.
+    assert chain_length(rate(0.95), 64, dear) > chain_length(doubtful(0.6), 64, dear) > 0
+    assert chain_length(doubtful(0.05), 64, dear) == 0
+
+
+def test_acceptance_is_learnt_from_every_committed_token():
+    """A prediction the output keeps leaving stops drafting; the output following it again, even while
+    nothing is drafted, brings the chains back."""
+    dear = lambda k: 1 + 0.3 * k                       # noqa: E731
+    pred, out = Prediction(list(range(1000))), []
+
+    def commit(tokens):
+        for t in tokens:
+            out.append(t)
+            pred.follow(t)
+            pred.place(out[-4:])                       # as the scheduler looks it up each step
+
+    commit(range(4))
+    for start in range(10, 200, 10):                   # places found by chance, left at once
+        commit([start, -start])
+    assert chain_length(pred.chance, 64, dear) == 0
+    commit(range(300, 330))                            # undrafted, the output follows the prediction
+    assert chain_length(pred.chance, 64, dear) >= 8
 
 
 # ---------------------------------------------------------------------------------------- lossless

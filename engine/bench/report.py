@@ -76,6 +76,7 @@ def bench_table(result: dict) -> Table:
     row("output tokens", "completion_tokens")
     row("duration (s)", "duration_s")
     row("output tokens/s", "output_tokens_per_s", ratio=True)
+    row("decode tokens/s (after the first)", "decode_tokens_per_s", 1, ratio=True)
     row("requests/s", "requests_per_s", ratio=True)
     row("accept length", "accept_length")
     row("accept rate by position", lambda r: " ".join(f"{p:.2f}" for p in r["accept_rate_by_position"] or []) or "-")

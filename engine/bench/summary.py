@@ -30,6 +30,7 @@ def summarize(passes: Sequence[PassResult]) -> dict:
         "completion_tokens": tokens,
         "duration_s": duration,
         "output_tokens_per_s": tokens / duration if duration > 0 else 0.0,
+        "decode_tokens_per_s": decode_speed(turns),
         "requests_per_s": len(turns) / duration if duration > 0 else 0.0,
         "accept_length": spec.accept_length if spec else None,
         "accept_rate_by_position": spec.by_position if spec else None,
@@ -43,6 +44,14 @@ def summarize(passes: Sequence[PassResult]) -> dict:
         "categories": categories(turns),
         "prediction_tokens": prediction_tokens(turns),
     }
+
+
+def decode_speed(turns: Sequence[TurnResult]) -> Optional[float]:
+    """Tokens after the first over the time after the first: the decode phase, prefill left out (at
+    batch 1 the figure llama.cpp's token-generation speed compares with)."""
+    timed = [t for t in turns if t.ttft is not None and t.e2e > t.ttft]
+    seconds = sum(t.e2e - t.ttft for t in timed)
+    return sum(t.completion_tokens - 1 for t in timed) / seconds if seconds > 0 else None
 
 
 def prediction_tokens(turns: Sequence[TurnResult]) -> Optional[dict]:
