@@ -272,6 +272,9 @@ class ServerArgs:
         "Require this bearer token (or set SPEC_API_KEY).", group="Server"))
     max_queued_requests: int = field(default=1024, metadata=opt(
         "Waiting requests beyond this are refused with 503 and Retry-After.", group="Server"))
+    max_n: int = field(default=16, metadata=opt(
+        "Most choices (n) one request may ask for; more are refused with 400. Every choice is a sequence "
+        "of its own in every step.", group="Server"))
     max_request_body_mb: int = field(default=16, metadata=opt(
         "Largest request body in MiB; larger ones are refused with 413.", group="Server"))
     log_level: str = field(default="info", metadata=opt(
@@ -300,7 +303,7 @@ class ServerArgs:
         for name in ("max_prefill_tokens", "torch_compile_max_bs", "speculative_ngram_min_match_window_size",
                      "speculative_ngram_max_match_window_size", "speculative_ngram_min_bfs_breadth",
                      "speculative_ngram_max_bfs_breadth", "speculative_ngram_capacity", "max_queued_requests",
-                     "max_request_body_mb", "tp_size", "dp_size", "nnodes", "dist_timeout"):
+                     "max_n", "max_request_body_mb", "tp_size", "dp_size", "nnodes", "dist_timeout"):
             positive(name, allow_none=False)
         if self.chunked_prefill_size < -1:
             raise ConfigError(f"--chunked-prefill-size must be -1 (auto), 0 (off) or positive, got {self.chunked_prefill_size}.")

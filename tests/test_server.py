@@ -204,6 +204,20 @@ def test_chat_sync_matches_offline_engine(live, offline):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
 
+def test_harmless_openai_parameters_pass_through_the_openai_client(live):
+    """What stock clients send and this server has no use for is accepted and changes nothing."""
+    client = sync_client(live)
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                           extra_body=IGNORE_EOS)
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, store=False,
+                                       metadata={"team": "a"}, service_tier="auto", user="u1",
+                                       prompt_cache_key="k", safety_identifier="s", extra_body=IGNORE_EOS)
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="store"):           # nothing is stored to fetch later
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, store=True)
+
+
 def test_chat_prediction_through_the_openai_client(live, offline):
     """OpenAI's `prediction=` argument, streamed and not, as text or text parts: the answer is the one
     without a prediction, and usage says how many prediction tokens were verified and kept (how many
@@ -353,6 +367,15 @@ def test_non_stream_disconnect_aborts(live, monkeypatch):
 
 # ---------------------------------------------------------------------------------------- client mistakes
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def TOOL_TURNS(id="c1", name="f", arguments="{}", tool_call_id="c1"):        # noqa: N802  (a constant's maker)
+    """A user turn, an assistant's tool call and the tool's answer, with one field replaced."""
+    return [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": tool_call_id, "content": "42"}]
+
 BAD = [
     ("/v1/chat/completions", b'{"messages": [', 400, None),
     ("/v1/chat/completions", b'[1, 2]', 400, None),
@@ -456,6 +479,24 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "prediction": {"type": "content", "content": "x " * 70000}}, 400, "prediction"),
     ("/v1/completions", b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", 400, None),
     ("/v1/completions", b'{"prompt": "\xff"}', 400, None),
+    # Issue 40's: every text a chat template reads is checked like message content; fields the server
+    # supports at one value only take that value (the schema says so too).
+    ("/v1/chat/completions", {**CHAT, "messages": TOOL_TURNS(tool_call_id="\ud800")}, 400, "messages.2.tool_call_id"),
+    ("/v1/chat/completions", {**CHAT, "messages": TOOL_TURNS(id="c\udc00")}, 400, "messages.1.tool_calls.0.id"),
+    ("/v1/chat/completions", {**CHAT, "messages": TOOL_TURNS(arguments='{"a": "\ud800"}')}, 400,
+     "messages.1.tool_calls.0.function.arguments"),
+    ("/v1/chat/completions", {**CHAT, "messages": TOOL_TURNS(name="f\ud800")}, 400,
+     "messages.1.tool_calls.0.function.name"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "description": "\ud800"}}}}}]}, 400,
+     "tools.0.function.parameters"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]}, 400, "messages.0.content.0"),
+    ("/v1/chat/completions", {**CHAT, "n": 17, "max_tokens": 1}, 400, "n"),      # --max-n (16), not the queue (64)
+    ("/v1/chat/completions", {**CHAT, "continue_final_message": True}, 400, "continue_final_message"),
+    ("/v1/chat/completions", {**CHAT, "store": True}, 400, "store"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of"),
+    ("/generate", {"text": "hi", "return_entropy": True}, 400, "return_entropy"),
 ]
 
 
@@ -678,6 +719,29 @@ def test_openapi_lists_the_statuses_sent(small):
     assert not any("422" in codes for codes in statuses.values())      # invalid requests get 400 here
     for route in ("/v1/chat/completions", "/v1/completions", "/generate"):
         assert {"200", "400", "413", "500", "503"} <= statuses[(route, "post")]
+
+
+def test_openapi_offers_only_the_values_served(small):
+    """Fields the server supports at their neutral value alone say so in the schema."""
+    with small.http() as c:
+        schemas = c.get("/openapi.json").json()["components"]["schemas"]
+
+    def values(prop):
+        allowed = set()
+        for option in prop.get("anyOf", [prop]):
+            if option.get("type") == "null":
+                allowed.add(None)
+            elif "const" in option or "enum" in option:
+                allowed.update(option.get("enum", [option.get("const")]))
+            else:
+                return "any"
+        return allowed
+
+    assert values(schemas["CompletionRequest"]["properties"]["best_of"]) == {1, None}
+    assert values(schemas["CompletionRequest"]["properties"]["suffix"]) == {"", None}
+    assert values(schemas["ChatCompletionRequest"]["properties"]["continue_final_message"]) == {False}
+    assert values(schemas["ChatCompletionRequest"]["properties"]["store"]) == {False, None}
+    assert values(schemas["GenerateRequest"]["properties"]["return_entropy"]) == {False}
 
 
 def test_schemathesis_finds_no_5xx(small):

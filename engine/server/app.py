@@ -145,7 +145,6 @@ def _router(serving: Serving) -> APIRouter:
     @router.post("/generate", responses=openai_api.STREAMED | error_responses(400, 503))
     async def generate(body: GenerateRequest, http: HTTPRequest):
         """SGLang's native API: cumulative `text`, `output_ids` and `meta_info` per prompt (and per n)."""
-        serving.check_body(body)
         if (body.text is None) == (body.input_ids is None):
             raise APIError(400, "Pass exactly one of text and input_ids.", param="text")
         single_text = isinstance(body.text, str)

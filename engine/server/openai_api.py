@@ -32,7 +32,6 @@ ANY_OBJECT = json.dumps({"type": "object", "additionalProperties": True})
 @router.post("/v1/chat/completions", responses=STREAMED | error_responses(400, 503))
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     serving: Serving = http.app.state.serving
-    serving.check_body(body)
     serving.check_count(body.n, "n")
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
@@ -94,7 +93,6 @@ def _constraint(body: ChatCompletionRequest, tools: Optional[list], compact: boo
 @router.post("/v1/completions", responses=STREAMED | error_responses(400, 503))
 async def completions(body: CompletionRequest, http: HTTPRequest):
     serving: Serving = http.app.state.serving
-    serving.check_body(body)
     if body.echo and body.logprobs is not None:
         raise APIError(400, "logprobs with echo would need the prompt's logprobs, which this server does not "
                             "compute; drop echo or logprobs.", param="logprobs", code="unsupported_parameter")

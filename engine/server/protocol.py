@@ -1,8 +1,11 @@
 """Request bodies of the HTTP API (OpenAI's and SGLang's shapes), as pydantic models.
 
 Unknown fields are refused (400 "Unsupported parameter") rather than silently ignored, so a client
-never believes a setting took effect when it did not. Fields OpenAI defines that this server does not
-implement are declared, so their neutral values (`suffix: ""`, `best_of: 1`) still pass.
+never believes a setting took effect when it did not. Fields OpenAI (or SGLang) defines that this
+server does not implement are declared with their neutral values alone (`suffix: ""`, `best_of: 1`), so
+the schema says exactly what passes. Fields that change nothing about the answer on this server
+(`store: false`, `metadata`, `service_tier`, `user`, `prompt_cache_key`, `safety_identifier`) are
+accepted and ignored, as stock clients send them.
 Types are strict, as OpenAI's are: `"5"` is not an integer, `1` is not a boolean, `5.0` is not a
 token count. Ranges are checked once, by SamplingParams; text is checked here for what no tokenizer
 can take.
@@ -10,9 +13,9 @@ can take.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from engine.sampling_params import text_problem
 
@@ -31,18 +34,30 @@ Text = Annotated[str, _checked(allow_nul=False)]
 StopText = Annotated[str, _checked(allow_nul=True)]
 
 
+def _json_problem(value: Any) -> Optional[str]:
+    """Why a JSON value (a schema, tool parameters) holds text no tokenizer takes, or None."""
+    if isinstance(value, str):
+        return text_problem(value, allow_nul=True)
+    if isinstance(value, dict):
+        return next((p for k, v in value.items() for p in (_json_problem(k), _json_problem(v)) if p), None)
+    if isinstance(value, list):
+        return next((p for v in value if (p := _json_problem(v))), None)
+    return None
+
+
+def _check_json(value: Any) -> Any:
+    problem = _json_problem(value)
+    if problem:
+        raise ValueError(f"a text in it {problem}")
+    return value
+
+
+# A JSON object whose texts reach the tokenizer (tool parameters) or the grammar compiler (schemas).
+JSONObject = Annotated[dict[str, Any], AfterValidator(_check_json)]
+
+
 class APIBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-
-    # field -> the values that mean "not used"; anything else is refused as unsupported.
-    NEUTRAL: ClassVar[dict[str, tuple]] = {}
-
-    def unsupported(self) -> Optional[str]:
-        """The first field set to a value this server cannot honour, if any."""
-        for name, neutral in self.NEUTRAL.items():
-            if getattr(self, name) not in neutral:
-                return name
-        return None
 
 
 class StreamOptions(APIBody):
@@ -52,7 +67,7 @@ class StreamOptions(APIBody):
 class FunctionDefinition(APIBody):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: Optional[Text] = None
-    parameters: Optional[dict[str, Any]] = None      # a JSON schema; none: any arguments
+    parameters: Optional[JSONObject] = None          # a JSON schema; none: any arguments
     strict: Optional[bool] = None                    # arguments are always held to the schema when constrained
 
 
@@ -62,7 +77,7 @@ class Tool(APIBody):
 
 
 class FunctionName(APIBody):
-    name: str
+    name: Text
 
 
 class NamedToolChoice(APIBody):
@@ -71,9 +86,9 @@ class NamedToolChoice(APIBody):
 
 
 class JSONSchemaFormat(APIBody):
-    name: str
-    description: Optional[str] = None
-    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    name: Text
+    description: Optional[Text] = None
+    schema_: Optional[JSONObject] = Field(default=None, alias="schema")
     strict: Optional[bool] = None
 
 
@@ -110,7 +125,15 @@ class _OpenAISampling(APIBody):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
-    user: Optional[str] = None                       # accepted and ignored, as OpenAI does for abuse tracking
+    # OpenAI's, accepted and ignored: nothing is stored (so store: true, which promises that, is
+    # refused), requests are not tracked per user, every request is served at the one tier there is,
+    # and the radix cache finds shared prefixes without a key.
+    user: Optional[str] = None
+    store: Optional[Literal[False]] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority"]] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
     # SGLang extensions.
     top_k: Optional[int] = None
     min_p: Optional[float] = None
@@ -123,10 +146,8 @@ class _OpenAISampling(APIBody):
     regex: Optional[str] = None                      # SGLang's grammar constraints
     ebnf: Optional[str] = None
     json_schema: Optional[str] = None
-    return_hidden_states: bool = False               # SGLang's; sglang-router sends its default
+    return_hidden_states: Literal[False] = False     # SGLang's; sglang-router sends its default
     prediction: Optional[Prediction] = None          # OpenAI's on chat; the same shape on completions
-
-    NEUTRAL = {"return_hidden_states": (False,)}
 
     def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
         """SGLang sampling_params for the engine (validated there)."""
@@ -150,14 +171,25 @@ class ContentPart(BaseModel):
     type: str
     text: Optional[Text] = None
 
+    @model_validator(mode="after")
+    def _text_keys(self) -> "ContentPart":
+        """A text part holds `type` and `text` alone, as OpenAI's does."""
+        if self.type == "text":
+            extra = sorted(self.model_extra or {})
+            if extra:
+                raise ValueError(f"a text part takes only 'type' and 'text'; {extra[0]!r} is not supported")
+            if self.text is None:
+                raise ValueError("a text part needs its 'text'")
+        return self
+
 
 class FunctionCall(APIBody):
-    name: str
-    arguments: str                                   # JSON text, as OpenAI sends it
+    name: Text
+    arguments: Text                                  # JSON text, as OpenAI sends it
 
 
 class ToolCall(APIBody):
-    id: str
+    id: Text
     type: Literal["function"]
     function: FunctionCall
 
@@ -167,7 +199,7 @@ class ChatMessage(APIBody):
     content: Union[Text, list[ContentPart], None] = None
     name: Optional[Text] = None
     tool_calls: Optional[list[ToolCall]] = None      # an assistant turn's calls
-    tool_call_id: Optional[str] = None               # a tool turn's answer to that call
+    tool_call_id: Optional[Text] = None              # a tool turn's answer to that call
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -181,21 +213,17 @@ class ChatCompletionRequest(_OpenAISampling):
     response_format: Optional[ResponseFormat] = None
     # SGLang's; sglang-router sends them. Without a reasoning parser (SGLang's --reasoning-parser, which
     # this server lacks) there is no reasoning to separate or stream apart, so either value is honoured.
-    continue_final_message: bool = False
+    continue_final_message: Literal[False] = False
     separate_reasoning: bool = True
     stream_reasoning: bool = True
-
-    NEUTRAL = {**_OpenAISampling.NEUTRAL, "continue_final_message": (False,)}
 
 
 class CompletionRequest(_OpenAISampling):
     prompt: Union[Text, list[Text], list[int], list[list[int]]]
     echo: bool = False
-    suffix: Optional[str] = None
+    suffix: Optional[Literal[""]] = None
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)     # alternatives per token (OpenAI: at most 5)
-    best_of: Optional[int] = None
-
-    NEUTRAL = {**_OpenAISampling.NEUTRAL, "suffix": (None, ""), "best_of": (None, 1)}
+    best_of: Optional[Literal[1]] = None
 
 
 class GenerateRequest(APIBody):
@@ -211,12 +239,9 @@ class GenerateRequest(APIBody):
     # request metrics are not logged per request here whatever log_metrics says.
     model: Optional[str] = None
     log_metrics: bool = True
-    return_hidden_states: bool = False
-    background: bool = False
+    return_hidden_states: Literal[False] = False
+    background: Literal[False] = False
     no_logs: bool = False
-    return_bytes: bool = False
-    return_entropy: bool = False
+    return_bytes: Literal[False] = False
+    return_entropy: Literal[False] = False
     prediction: Optional[Prediction] = None          # Predicted Outputs, as on /v1/chat/completions
-
-    NEUTRAL = {"return_hidden_states": (False,), "background": (False,), "return_bytes": (False,),
-               "return_entropy": (False,)}

@@ -23,7 +23,7 @@ from engine.sampling_params import SamplingParams
 from engine.server.engine_loop import SHUTTING_DOWN, EngineLoop, Submission, finish_type
 from engine.server.errors import APIError, error_body
 from engine.server.metrics import ServerMetrics
-from engine.server.protocol import APIBody, ChatMessage
+from engine.server.protocol import ChatMessage
 from engine.server.tokenize import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -49,14 +49,6 @@ class Serving:
         if model is not None and model not in (self.model_name, self.args.model_path):
             raise APIError(404, f"The model {model!r} does not exist; this server serves {self.model_name!r}.",
                            param="model", code="model_not_found")
-
-    def check_body(self, body: APIBody) -> None:
-        """The parameters this server cannot honour. The `model` name is not checked: as with SGLang, a
-        request names any model and is served by this one, which the response names."""
-        name = body.unsupported()
-        if name is not None:
-            raise APIError(400, f"Parameter {name!r} is not supported by this server (got {getattr(body, name)!r}); "
-                                "leave it out.", param=name, code="unsupported_parameter")
 
     def check_count(self, generations: int, param: str) -> None:
         """Before any tokenizing: a request asking for more generations than the queue holds is refused."""
@@ -113,6 +105,9 @@ class Serving:
                 raise _renamed(exc, names) from None
             self._check_fits(ids, params.max_new_tokens if given else None, names.get("max_new_tokens",
                                                                                       "max_new_tokens"))
+            if params.n > self.args.max_n:
+                raise APIError(400, f"n is {params.n}, more choices than this server gives one request "
+                                    f"({self.args.max_n}, --max-n).", param="n")
             plan.append((list(ids), params))
         self.check_count(sum(params.n for _, params in plan), "n")
         base = uuid.uuid4().hex[:16]
