@@ -4,6 +4,7 @@
   under every speculative algorithm; drafts that predict a bigram target exactly are accepted as much
   as on one process (their sharded embedding, layers and heads compute what the whole ones do).
 - int4 and w8a8_int8 weights are quantized per rank, each its block.
+- Predicted Outputs verify their chains in the sharded forward, with plain decoding's output.
 - A rank that fails to start, or dies, ends the engine with an error naming it, within seconds.
 """
 
@@ -72,6 +73,17 @@ def test_speculative_greedy_identical(algo, target, plain, tmp_path):
         outs = eng.generate(input_ids=prompts(), sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
+
+
+def test_predictions_under_tensor_parallelism(target, plain):
+    """Predicted Outputs' chains are verified in the sharded forward: exact and edited predictions
+    (a deletion) leave greedy output plain decoding's, and are accepted."""
+    expected = [o["output_ids"] for o in plain]
+    predictions = [ids if i % 2 else ids[:8] + ids[11:] for i, ids in enumerate(expected)]
+    with engine(target, tp=2) as eng:
+        outs = eng.generate(input_ids=prompts(), sampling_params=[{**GREEDY, "prediction": p} for p in predictions])
+    assert [o["output_ids"] for o in outs] == expected
+    assert all(o["meta_info"]["accepted_prediction_tokens"] >= 8 for o in outs)
 
 
 @pytest.mark.parametrize("algo", ["EAGLE", "MTP", "STANDALONE"])

@@ -31,7 +31,7 @@ MAX_CHAIN = 64
 # Re-anchoring looks up the output's newest ANCHOR_MAX .. ANCHOR_MIN tokens; a single token only where
 # it occurs once in what is left of the prediction.
 ANCHOR_MAX, ANCHOR_MIN = 4, 2
-CONFIRM = 6
+CONFIRM = 6                 # output tokens in a row agreeing with a place before it counts as confirmed
 # Each chance starts as if HITS of HITS + MISSES tokens had matched (a prediction is meant to be right
 # where the output is confirmed to follow it; an unconfirmed place is a guess), and a token DECAY tokens
 # ago weighs DECAY^n.
