@@ -223,6 +223,10 @@ class ServerArgs:
     grammar_backend: str = field(default="xgrammar", metadata=opt(
         "Grammar engine for response_format, tools and SGLang's json_schema/regex/ebnf: xgrammar, or none "
         "to refuse constrained requests.", group="Structured output", choices=("xgrammar", "none")))
+    grammar_compile_timeout: float = field(default=10.0, metadata=opt(
+        "Seconds a request's grammar may take to compile on the server; past it the request gets 400. "
+        "Compiles run in a child process, which is stopped then, or as soon as the client goes away.",
+        group="Structured output"))
     constrained_json_disable_any_whitespace: bool = field(default=False, metadata=opt(
         "JSON outputs without free whitespace between tokens: stops a weak model from looping on newlines, "
         "at the cost of pretty-printed output.", group="Structured output"))
@@ -307,6 +311,9 @@ class ServerArgs:
             positive(name, allow_none=False)
         if self.chunked_prefill_size < -1:
             raise ConfigError(f"--chunked-prefill-size must be -1 (auto), 0 (off) or positive, got {self.chunked_prefill_size}.")
+        if not self.grammar_compile_timeout > 0:
+            raise ConfigError(f"--grammar-compile-timeout must be a positive number of seconds, got "
+                              f"{self.grammar_compile_timeout}.")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}.")
         if not 0 < self.port < 65536:

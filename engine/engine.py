@@ -18,7 +18,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from engine.config import ServerArgs
 from engine.distributed import group as tp_group
@@ -72,7 +72,8 @@ class Engine:
         self._seeds = itertools.count()
         self.grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_ids,
                                        enabled=self.args.grammar_backend != "none",
-                                       any_whitespace=not self.args.constrained_json_disable_any_whitespace)
+                                       any_whitespace=not self.args.constrained_json_disable_any_whitespace,
+                                       compile_timeout=self.args.grammar_compile_timeout)
 
     # ------------------------------------------------------------------ figures
     @property
@@ -181,10 +182,12 @@ class Engine:
             self._kv.free(slots)
 
     # ------------------------------------------------------------------ low-level API
-    def compile_grammar(self, params: SamplingParams):
+    def compile_grammar(self, params: SamplingParams, cancelled: Optional[Callable[[], bool]] = None):
         """The compiled grammar of the request's constraint, or None. Thread-safe (the server compiles
-        off the engine thread); a RequestError naming the parameter when it does not compile."""
-        return self.grammars.compile(*params.constraint) if params.constraint else None
+        off the engine thread); a RequestError naming the parameter when it is past the limits, does not
+        compile or (with `cancelled`, in the compiler process) takes past --grammar-compile-timeout;
+        engine.grammar_worker.CompileCancelled once cancelled() is true."""
+        return self.grammars.compile(*params.constraint, cancelled=cancelled) if params.constraint else None
 
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None, *,
                      return_logprob: bool = False, top_logprobs_num: int = 0, grammar=None) -> Request:
@@ -355,6 +358,7 @@ class Engine:
         """abort_all, then stop the forward thread and the other tensor-parallel ranks: the engine is done."""
         self.abort_all()
         self._scheduler.close()
+        self.grammars.close()
         if self._tp:
             self._tp.stop()
 

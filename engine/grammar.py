@@ -16,28 +16,36 @@ xgrammar is imported on first use: a server that never sees a constraint never l
 from __future__ import annotations
 
 import copy
-import re
+import json
 import threading
-from typing import Optional, Sequence
+from collections import OrderedDict
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from engine.errors import RequestError
+from engine.grammar_worker import CompileWorker, compile_constraint
 
-# How much of a compiler error to quote back to the client.
-_MAX_ERROR_CHARS = 400
-_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# Limits checked before compiling: compile time grows steeply with nesting (a JSON schema 600 levels
+# deep takes minutes), so deeper ones are refused at once. MAX_DEPTH counts JSON nesting (a nested
+# object property is two levels: its schema and `properties`) and a regex's parentheses.
+MAX_BYTES, MAX_DEPTH = 64 * 1024, 64
+# Compiled grammars kept, by their text: repeated schemas (and the n choices of one request) compile once.
+CACHE_ENTRIES = 64
 
 
 class GrammarBackend:
-    """Compiles constraints for one tokenizer and vocabulary. Thread-safe: the server compiles off the
-    engine thread, and xgrammar caches compiled grammars (n choices, repeated schemas compile once)."""
+    """Compiles constraints for one tokenizer and vocabulary, within the limits above and, for the
+    server, in a child process that is cut short at `compile_timeout` seconds or when the client goes
+    (engine/grammar_worker.py). Thread-safe: the server compiles off the engine thread."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: Sequence[int], *, enabled: bool = True,
-                 any_whitespace: bool = True):
+                 any_whitespace: bool = True, compile_timeout: float = 10.0):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, list(eos_ids)
-        self.enabled, self.any_whitespace = enabled, any_whitespace
+        self.enabled, self.any_whitespace, self.compile_timeout = enabled, any_whitespace, compile_timeout
         self._compiler = None
+        self.worker: Optional[CompileWorker] = None
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
 
     def _get_compiler(self):
@@ -50,36 +58,95 @@ class GrammarBackend:
                 info = xgr.TokenizerInfo.from_huggingface(copy.deepcopy(self.tokenizer), vocab_size=self.vocab_size,
                                                           stop_token_ids=self.eos_ids)
                 self._compiler = xgr.GrammarCompiler(info)
+                self.worker = CompileWorker(info, self.any_whitespace)
             return self._compiler
 
-    def compile(self, kind: str, text: str):
+    def compile(self, kind: str, text: str, cancelled: Optional[Callable[[], bool]] = None):
         """The compiled grammar of a constraint (kind: a SamplingParams.CONSTRAINTS name); a
-        RequestError naming `kind` when xgrammar cannot compile it."""
+        RequestError naming `kind` when it is past the limits or does not compile. With `cancelled`
+        (the server) it compiles in the child process: past the time limit a RequestError, once
+        cancelled() is true CompileCancelled; without, here."""
         if not self.enabled:
             raise RequestError(f"{kind}: constrained decoding is off on this server (--grammar-backend none).", kind)
+        check_limits(kind, text)
+        key = (kind, text)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
         compiler = self._get_compiler()
-        try:
-            if kind == "json_schema":
-                # xgrammar's strict mode (SGLang's default too): no properties or items beyond those the
-                # schema lists, which is what OpenAI's strict structured outputs promise.
-                return compiler.compile_json_schema(text, any_whitespace=self.any_whitespace)
-            if kind == "regex":
-                return compiler.compile_regex(text)
-            if kind == "ebnf":
-                return compiler.compile_grammar(text)
-            if kind == "structural_tag":
-                return compiler.compile_structural_tag(text)
-        except Exception as exc:      # xgrammar raises RuntimeError, ValueError or its own JSON errors
-            message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            message = _LOCATION.sub("", message)       # "[12:00:00] /project/cpp/file.cc:123: " says nothing to a client
-            raise RequestError(f"{kind} could not be compiled: {message[:_MAX_ERROR_CHARS]}", kind) from None
-        raise AssertionError(kind)
+        if cancelled is None:
+            compiled = compile_constraint(compiler, kind, text, self.any_whitespace)
+        else:
+            compiled = self.worker.compile(kind, text, self.compile_timeout, cancelled)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
 
     @staticmethod
     def matcher(compiled):
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(compiled)
+
+
+def check_limits(kind: str, text: str) -> None:
+    """A RequestError naming `kind` when the constraint is past MAX_BYTES or MAX_DEPTH."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_BYTES:
+        raise RequestError(f"{kind} is {size} bytes; this server compiles grammars of at most {MAX_BYTES} bytes.", kind)
+    depth = _json_depth(text) if kind in ("json_schema", "structural_tag") else _paren_depth(text) if kind == "regex" else 0
+    if depth > MAX_DEPTH:
+        raise RequestError(f"{kind} nests {depth} levels deep; this server compiles at most {MAX_DEPTH} levels "
+                           "(deeper ones can take minutes to compile).", kind)
+
+
+def _json_depth(text: str) -> int:
+    """Nesting depth of a JSON text's objects and arrays (0 when it is not JSON: the compiler says why)."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return _bracket_depth(text)
+    depth, level = 0, [(value, 1)]
+    while level:
+        node, d = level.pop()
+        if isinstance(node, (dict, list)):
+            depth = max(depth, d)
+            level += [(child, d + 1) for child in (node.values() if isinstance(node, dict) else node)]
+    return depth
+
+
+def _bracket_depth(text: str) -> int:
+    depth = deepest = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _paren_depth(text: str) -> int:
+    depth = deepest = 0
+    escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth -= 1
+    return deepest
 
 
 def row_bitmask(reqs: Sequence, rows_per_req: Sequence[int], vocab: int, tokens: Optional[list[list[int]]] = None,

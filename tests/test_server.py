@@ -367,6 +367,7 @@ def test_non_stream_disconnect_aborts(live, monkeypatch):
 
 # ---------------------------------------------------------------------------------------- client mistakes
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+DEEP = '{"type": "object", "properties": {"a": ' * 100 + '{"type": "string"}' + '}, "required": ["a"]}' * 100
 
 
 def TOOL_TURNS(id="c1", name="f", arguments="{}", tool_call_id="c1"):        # noqa: N802  (a constant's maker)
@@ -493,6 +494,10 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]}, 400, "messages.0.content.0"),
     ("/v1/chat/completions", {**CHAT, "n": 17, "max_tokens": 1}, 400, "n"),      # --max-n (16), not the queue (64)
+    ("/generate", {"text": "hi", "sampling_params": {"json_schema": DEEP}}, 400, "json_schema"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": json.loads(DEEP)}}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "regex": "(" * 100 + ")" * 100}, 400, "regex"),
     ("/v1/chat/completions", {**CHAT, "continue_final_message": True}, 400, "continue_final_message"),
     ("/v1/chat/completions", {**CHAT, "store": True}, 400, "store"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of"),
@@ -710,6 +715,32 @@ def test_api_key_guards_every_route_but_health(live, monkeypatch):
             r = c.request(method, path, headers={"Authorization": "Bearer wrong"})
             assert r.status_code == (200 if path == "/health" else 401), (method, path)
     assert (b"wrong", KEY.encode()) in compared       # keys are compared in constant time
+
+
+def test_a_grammar_stops_compiling_when_its_client_leaves(live, monkeypatch):
+    """A schema that would compile for minutes (allowed here by raising the depth limit): once its
+    client closes the connection, the compiler process is stopped (observed in the worker's count,
+    not by timing), and the next grammar compiles in a fresh one."""
+    import engine.grammar as grammar
+    from tests.test_structured import deep_schema
+
+    monkeypatch.setattr(grammar, "MAX_DEPTH", 10_000)
+    backend = live.engine.grammars
+    monkeypatch.setattr(backend, "compile_timeout", 3600.0)        # only the client's leaving stops it
+    with live.http() as c:                                          # starts the compiler process
+        assert c.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1, "regex": "a"}}).is_success
+    before = backend.worker.cut_short
+    body = json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 2, "json_schema": deep_schema(1000)}})
+    host, port = live.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        head = "".join(f"{k}: {v}\r\n" for k, v in live.headers.items())
+        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{head}"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        wait_until(lambda: backend.worker._lock.locked(), "the compile to start")
+    wait_until(lambda: backend.worker.cut_short == before + 1, "the compile to be stopped")
+    with live.http() as c:
+        r = c.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1, "regex": "b"}})
+    assert r.status_code == 200, r.text
 
 
 def test_openapi_lists_the_statuses_sent(small):

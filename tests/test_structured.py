@@ -166,6 +166,53 @@ def test_grammar_errors_name_the_parameter(plain):
         assert err.value.param == param
 
 
+def deep_schema(levels: int) -> str:
+    """A schema of objects nested `levels` deep (as text: json.dumps recurses past Python's limit)."""
+    return '{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}' + '}, "required": ["a"]}' * levels
+
+
+def test_grammars_past_the_limits_are_refused_before_compiling(plain):
+    """Nesting past MAX_DEPTH (schemas, regexes) and text past MAX_BYTES: a RequestError naming the
+    parameter and the limit, without compiling (a 600-level schema would take minutes)."""
+    import engine.grammar as grammar
+
+    for key, text, limit in (("json_schema", deep_schema(600), "levels"),
+                             ("regex", "(" * 100 + "a" + ")" * 100, "levels"),
+                             ("ebnf", 'root ::= "' + "a" * grammar.MAX_BYTES + '"', "bytes")):
+        with pytest.raises(RequestError, match=limit) as err:
+            plain.compile_grammar(SamplingParams.from_dict({key: text}))
+        assert err.value.param == key
+    assert plain.compile_grammar(SamplingParams.from_dict({"json_schema": deep_schema(20)})) is not None
+    assert grammar._json_depth(deep_schema(20)) == 41 and grammar._paren_depth(r"(a\(b(c))") == 2
+
+
+def test_compiles_in_the_process_are_cut_short_and_cached(plain, monkeypatch):
+    """The server's compiles run in a child process: cancelled (the client left) or past the time
+    limit it is killed, and the next compile starts a new one; compiled grammars are kept by text."""
+    import engine.grammar as grammar
+    from engine.grammar_worker import CompileCancelled
+
+    backend = GrammarBackend(plain.tokenizer, plain.model_config.vocab_size, plain.eos_ids, compile_timeout=0.0)
+    monkeypatch.setattr(grammar, "MAX_DEPTH", 10_000)
+    slow = deep_schema(1000)                                       # minutes of compiling
+    try:
+        with pytest.raises(CompileCancelled):
+            backend.compile("json_schema", slow, cancelled=lambda: True)
+        with pytest.raises(RequestError, match="grammar-compile-timeout"):
+            backend.compile("json_schema", slow, cancelled=lambda: False)
+        assert backend.worker.cut_short == 2
+        backend.compile_timeout = 60.0
+        first = backend.compile("regex", "[ab]{3}", cancelled=lambda: False)
+        assert backend.compile("regex", "[ab]{3}", cancelled=lambda: False) is first
+        assert backend.worker.cut_short == 2
+        matcher = backend.matcher(first)
+        ids = plain.tokenizer.encode("aba", add_special_tokens=False)
+        assert all(matcher.accept_token(t) for t in ids)          # the grammar came back whole
+        assert matcher.accept_token(plain.eos_ids[0]) and matcher.is_terminated()
+    finally:
+        backend.close()
+
+
 def test_logit_bias_validation(plain):
     for bias in ({"x": 1}, {"01": 1}, {"5": 101}, {"5": "1"}, {"5": True}):
         with pytest.raises(RequestError) as err:

@@ -160,7 +160,7 @@ def _router(serving: Serving) -> APIRouter:
             text = body.prediction.text()
             sampling = ([{**s, "prediction": text} for s in sampling] if isinstance(sampling, list)
                         else {**sampling, "prediction": text})
-        reqs = await serving.make_requests(prompts, sampling,
+        reqs = await serving.make_requests(prompts, sampling, http=http,
                                            default_max_tokens=SamplingParams.max_new_tokens,
                                            return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num)
         single = (single_text or single_ids) and len(reqs) == 1

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from engine.errors import RequestError
+from engine.grammar_worker import CompileCancelled
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError):
         return error_response(400, str(exc), param=exc.param, code="invalid_value")
+
+    @app.exception_handler(CompileCancelled)
+    async def _client_gone(_: Request, exc: CompileCancelled):
+        return Response(status_code=499)          # the client left while its grammar compiled: nobody reads this
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):

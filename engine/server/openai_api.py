@@ -42,7 +42,8 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     names = {**OPENAI_NAMES, "max_new_tokens": param, "json_schema": "response_format", "structural_tag": "tools"}
     reqs = await serving.make_requests([prompt], sampling, default_max_tokens=serving.context_len, names=names,
-                                       return_logprob=bool(body.logprobs), top_logprobs_num=body.top_logprobs or 0)
+                                       http=http, return_logprob=bool(body.logprobs),
+                                       top_logprobs_num=body.top_logprobs or 0)
     shape = _Shape("chatcmpl", "chat.completion", serving, [len(prompt)], bool(body.logprobs), tools=bool(tools))
     return await _respond(serving, http, reqs, body.stream, body.include_usage, shape, [""] * len(reqs))
 
@@ -105,7 +106,7 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     else:
         prompts = [list(p) for p in prompt]
     reqs = await serving.make_requests(prompts, body.sampling_params(body.max_tokens),
-                                       default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS, names=OPENAI_NAMES,
+                                       default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS, names=OPENAI_NAMES, http=http,
                                        return_logprob=body.logprobs is not None, top_logprobs_num=body.logprobs or 0)
     echoes = [""] * len(reqs)
     if body.echo:

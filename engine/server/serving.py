@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import uuid
 from typing import AsyncIterator, Optional, Sequence, Union
 
@@ -82,13 +83,14 @@ class Serving:
 
     async def make_requests(self, prompts: Sequence[Sequence[int]], sampling: Union[dict, list[dict]], *,
                             default_max_tokens: int, names: Optional[dict[str, str]] = None,
-                            **options) -> list[Request]:
+                            http: Optional[HTTPRequest] = None, **options) -> list[Request]:
         """Requests for each prompt times `n` (choice k of a seeded request samples with
         a seed of its own, sampling.choice_seed).
         `sampling` holds SGLang sampling_params, one dict for all prompts or one per prompt; `names` maps
         their names to the route's own (max_new_tokens -> max_tokens) for error messages; `options`
-        are Engine.make_request's (return_logprob, top_logprobs_num). Grammars compile on a worker
-        thread: a large schema takes a while, and the event loop serves everyone."""
+        are Engine.make_request's (return_logprob, top_logprobs_num). Grammars compile in the compiler
+        process (engine/grammar_worker.py), waited for off the event loop, and stopped when the `http`
+        client goes away (CompileCancelled)."""
         names = names or {}
         if not prompts:
             raise RequestError("The prompt is empty; pass some text or token ids.")
@@ -114,11 +116,24 @@ class Serving:
         reqs = []
         for i, (ids, params) in enumerate(plan):
             try:
-                grammar = await asyncio.to_thread(self.engine.compile_grammar, params) if params.constraint else None
+                grammar = await self._compile(params, http) if params.constraint else None
             except RequestError as exc:
                 raise _renamed(exc, names) from None
             reqs += self.engine.make_choices(ids, params, rid=f"{base}-{i}", grammar=grammar, **options)
         return reqs
+
+    async def _compile(self, params: SamplingParams, http: Optional[HTTPRequest]):
+        gone = threading.Event()
+        compiling = asyncio.ensure_future(asyncio.to_thread(self.engine.compile_grammar, params, gone.is_set))
+        watch = asyncio.ensure_future(_disconnected(http)) if http is not None else None
+        try:
+            await asyncio.wait({compiling} | ({watch} if watch else set()), return_when=asyncio.FIRST_COMPLETED)
+            if not compiling.done():
+                gone.set()
+            return await compiling
+        finally:
+            if watch is not None:
+                watch.cancel()
 
     def _check_fits(self, ids: list[int], max_tokens: Optional[int], param: str) -> None:
         if len(ids) >= self.context_len:
