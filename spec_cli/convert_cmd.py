@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from spec_cli.errors import fail, reports_user_errors
+from spec_cli.help import ReadableCommand
 from spec_cli.prefixes import PrefixGroup
 
 convert_app = typer.Typer(no_args_is_help=True, rich_markup_mode="rich", cls=PrefixGroup,
@@ -51,7 +52,7 @@ Threads = Annotated[Optional[int], typer.Option(
 
 
 # ------------------------------------------------------------------------------------------------ token-map
-@convert_app.command("token-map")
+@convert_app.command("token-map", cls=ReadableCommand)
 @reports_user_errors
 def token_map(
     model: Model,
@@ -136,7 +137,7 @@ def token_map(
 
 
 # ------------------------------------------------------------------------------------------------ draft
-@convert_app.command("draft")
+@convert_app.command("draft", cls=ReadableCommand)
 @reports_user_errors
 def draft(
     source: Annotated[str, typer.Argument(metavar="SOURCE", show_default=False,
@@ -203,7 +204,7 @@ def _print_checks(title: str, checks, notes) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ training
-@convert_app.command("train-eagle3")
+@convert_app.command("train-eagle3", cls=ReadableCommand)
 @reports_user_errors
 def train_eagle3(
     model: Model,

@@ -21,6 +21,7 @@ from spec_cli.bench_cmd import bench
 from spec_cli.convert_cmd import HELP as CONVERT_HELP
 from spec_cli.convert_cmd import convert_app
 from spec_cli.errors import fail, reports_user_errors
+from spec_cli.help import ReadableCommand
 from spec_cli.prefixes import PrefixGroup
 from spec_cli.tune_cmd import tune
 
@@ -58,7 +59,7 @@ def main(
     """
 
 
-@app.command()
+@app.command(cls=ReadableCommand)
 @reports_user_errors
 @server_args_options
 def serve(args: ServerArgs) -> None:
@@ -77,8 +78,8 @@ def serve(args: ServerArgs) -> None:
     run_server(args)
 
 
-app.command()(bench)
-app.command()(tune)
+app.command(cls=ReadableCommand)(bench)
+app.command(cls=ReadableCommand)(tune)
 
 
 def _complete_model_names(incomplete: str) -> list[str]:
@@ -87,7 +88,7 @@ def _complete_model_names(incomplete: str) -> list[str]:
     return [name for name in KNOWN_MODELS if name.startswith(incomplete)]
 
 
-@app.command()
+@app.command(cls=ReadableCommand)
 @reports_user_errors
 def fetch(
     names: Annotated[Optional[list[str]], typer.Argument(

@@ -5,18 +5,21 @@ prefix shared by several options is an error that lists them.
 
 Click has no such matching, so `PrefixGroup` (the class of every `spec` command group) expands each
 command's long options before click parses them: its own, in `parse_args`, and a subcommand's, in
-`resolve_command`, where that subcommand is found.
+`resolve_command`, where that subcommand is found. It also reports click's own usage errors (an unknown
+flag, a bad value, a missing argument) as spec reports every user error: one `error:` line, status 2.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Iterable
 
+import typer
 from typer import Context
 from typer.core import TyperGroup
 
 from spec_cli.args import HIDDEN_FLAGS
-from spec_cli.errors import fail
+from spec_cli.errors import fail, print_error
 
 
 def _options(command: Any, ctx: Context) -> dict[str, Any]:
@@ -53,6 +56,20 @@ def expand_prefixes(command: Any, ctx: Context, args: Iterable[str]) -> list[str
 
 
 class PrefixGroup(TyperGroup):
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            status = super().main(*args, standalone_mode=False, **kwargs)
+        except typer.TyperException as exc:       # click's (Typer's copy): Typer would draw it in a box
+            command = exc.ctx.command_path if getattr(exc, "ctx", None) else self.name
+            print_error(f"{exc.format_message().rstrip('.')}; see '{command} --help'.")
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            print_error("aborted")
+            sys.exit(1)
+        sys.exit(status if isinstance(status, int) else 0)
+
     def parse_args(self, ctx: Context, args: list[str]) -> list[str]:
         return super().parse_args(ctx, expand_prefixes(self, ctx, args))
 

@@ -7,6 +7,7 @@ import dataclasses
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -75,6 +76,31 @@ def test_other_commands_have_help(args):
     result = run(*args, "--help")
     assert result.exit_code == 0, result.output
     assert len(result.output.strip()) > 100
+
+
+@pytest.mark.parametrize("command", ["serve", "bench", "tune"])
+def test_help_at_80_columns_cuts_no_flag_name(command):
+    """Every spelling of every flag appears whole in 80-column help; switches show no value."""
+    result = run(command, "--help", env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    for param in get_command(app).commands[command].params:
+        for name in (*param.opts, *param.secondary_opts):
+            assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", result.output), name
+    assert "…" not in result.output and "<bool>" not in result.output
+    wide = [line for line in result.output.splitlines() if len(line) > 80]
+    assert all(line.lstrip().startswith("spec ") for line in wide), wide      # example command lines alone
+    assert "  --disable-radix-cache  " in run("serve", "--help", env={"COLUMNS": "80"}).output
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["serve", "--bogus"], "--bogus"), (["serve", "--port", "x"], "--port"), (["bench", "--num-prompts", "-3"],
+                                                                                "--num-prompts"),
+    (["tune", "--bogus"], "--bogus"), (["convert", "draft"], "SOURCE"), (["convert", "token-map", "--bogus"], "--bogus"),
+    (["fetch", "nosuch"], "nosuch"), (["nosuchcmd"], "nosuchcmd"), (["serve", "--max-n", "0"], "--max-n")])
+def test_every_command_reports_bad_input_as_one_error_line(args, needle):
+    """Click's usage errors and spec's own alike: one `error:` line naming what was wrong, status 2."""
+    line = assert_user_error(run(*args), needle)
+    assert "╭" not in line
 
 
 # --- flags generated from ServerArgs --------------------------------------------------------------
