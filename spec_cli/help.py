@@ -1,5 +1,5 @@
-"""`--help` of the commands with many flags, readable at any width: click's plain layout, one section per
-help panel (Model, Speculative decoding, ...). A flag name is never cut (one wider than the first
+"""`--help` of every command and group, readable at any width: click's plain layout, one section per
+help panel (Model, Speculative decoding, ...), then a group's commands. A flag name is never cut (one wider than the first
 column puts its help on the next line), and a switch shows no value. Rich's table layout, Typer's
 default, squeezes long names such as `--speculative-num-draft-tokens, --draft-tokens` into an
 ellipsis at 80 columns.
@@ -18,16 +18,22 @@ OPTIONS = "Options"
 
 class ReadableCommand(TyperCommand):
     def format_help(self, ctx: Context, formatter: Any) -> None:
-        self.format_usage(ctx, formatter)
-        _write_doc(Text.from_markup(self.help or "").plain, formatter)
-        sections: dict[str, list[tuple[str, str]]] = {}
-        for param in self.get_params(ctx):
-            record = param.get_help_record(ctx)
-            if record is not None:
-                sections.setdefault(getattr(param, "rich_help_panel", None) or OPTIONS, []).append(record)
-        for title in sorted(sections, key=lambda t: t != OPTIONS):    # the general options first
-            with formatter.section(title):
-                formatter.write_dl(sections[title])
+        write_help(self, ctx, formatter)
+
+
+def write_help(command: Any, ctx: Context, formatter: Any) -> None:
+    command.format_usage(ctx, formatter)
+    _write_doc(Text.from_markup(command.help or "").plain, formatter)
+    sections: dict[str, list[tuple[str, str]]] = {}
+    for param in command.get_params(ctx):
+        record = param.get_help_record(ctx)
+        if record is not None:
+            sections.setdefault(getattr(param, "rich_help_panel", None) or OPTIONS, []).append(record)
+    for title in sorted(sections, key=lambda t: t != OPTIONS):    # the general options first
+        with formatter.section(title):
+            formatter.write_dl(sections[title])
+    if hasattr(command, "format_commands"):
+        command.format_commands(ctx, formatter)
 
 
 def _write_doc(doc: str, formatter: Any) -> None:

@@ -12,7 +12,6 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from typer import rich_utils
 
 from engine.config import ServerArgs
 from spec_cli import __version__
@@ -36,10 +35,6 @@ app = typer.Typer(
 app.add_typer(convert_app, name="convert", help=CONVERT_HELP)
 
 _stderr = Console(stderr=True, highlight=False, soft_wrap=True)
-# Rich lays help out 80 columns wide when stdout is not a terminal, which cuts long flag names such as
-# --speculative-num-draft-tokens,--draft-tokens; piped help (`spec serve --help | grep`) gets room for them.
-if rich_utils.MAX_WIDTH is None and "COLUMNS" not in os.environ and not (sys.stdout and sys.stdout.isatty()):
-    rich_utils.MAX_WIDTH = 160
 
 
 def _print_version(value: bool) -> None:

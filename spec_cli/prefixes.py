@@ -6,7 +6,8 @@ prefix shared by several options is an error that lists them.
 Click has no such matching, so `PrefixGroup` (the class of every `spec` command group) expands each
 command's long options before click parses them: its own, in `parse_args`, and a subcommand's, in
 `resolve_command`, where that subcommand is found. It also reports click's own usage errors (an unknown
-flag, a bad value, a missing argument) as spec reports every user error: one `error:` line, status 2.
+flag, a bad value, a missing argument) as spec reports every user error, one `error:` line with status
+2, and lays its help out as the commands' (spec_cli/help.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typer.core import TyperGroup
 
 from spec_cli.args import HIDDEN_FLAGS
 from spec_cli.errors import fail, print_error
+from spec_cli.help import write_help
 
 
 def _options(command: Any, ctx: Context) -> dict[str, Any]:
@@ -56,12 +58,18 @@ def expand_prefixes(command: Any, ctx: Context, args: Iterable[str]) -> list[str
 
 
 class PrefixGroup(TyperGroup):
+    def format_help(self, ctx: Context, formatter: Any) -> None:
+        write_help(self, ctx, formatter)
+
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
             return super().main(*args, standalone_mode=False, **kwargs)
         try:
             status = super().main(*args, standalone_mode=False, **kwargs)
         except typer.TyperException as exc:       # click's (Typer's copy): Typer would draw it in a box
+            if type(exc).__name__ == "NoArgsIsHelpError":      # a group run bare: its help is the answer
+                typer.echo(exc.format_message())
+                sys.exit(exc.exit_code)
             command = exc.ctx.command_path if getattr(exc, "ctx", None) else self.name
             print_error(f"{exc.format_message().rstrip('.')}; see '{command} --help'.")
             sys.exit(exc.exit_code)

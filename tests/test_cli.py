@@ -92,6 +92,13 @@ def test_help_at_80_columns_cuts_no_flag_name(command):
     assert "  --disable-radix-cache  " in run("serve", "--help", env={"COLUMNS": "80"}).output
 
 
+@pytest.mark.parametrize("args", [[], ["convert"]])
+def test_a_bare_group_prints_its_help(args):
+    result = run(*args, env={"COLUMNS": "80"})
+    assert result.output.startswith("Usage: spec") and "error:" not in result.output, result.output
+    assert "<bool>" not in result.output and "╭" not in result.output
+
+
 @pytest.mark.parametrize("args,needle", [
     (["serve", "--bogus"], "--bogus"), (["serve", "--port", "x"], "--port"), (["bench", "--num-prompts", "-3"],
                                                                                 "--num-prompts"),
