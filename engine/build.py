@@ -102,16 +102,17 @@ def resolve_args(args: ServerArgs, model_config, device: str) -> ServerArgs:
 
 
 def build_engine_parts(args: ServerArgs) -> EngineParts:
-    from engine.attention import create_backend
+    from engine.attention import check_backend, create_backend
     from engine.loader import load_config, load_tokenizer, resolve_model_path
     from engine.model_runner import load_model, resolve_device, resolve_dtype, resolve_quantization
     from engine.scheduler import Scheduler
     from engine.speculative.factory import load_draft_model
 
+    device = resolve_device(args.device)
+    check_backend(args.attention_backend, device, args.enable_deterministic_inference)   # before any file is read
     model_dir = resolve_model_path(args.model_path, args.revision, args.trust_remote_code)
     config = load_config(model_dir, args.trust_remote_code)
     max_pos = model_max_positions(config)
-    device = resolve_device(args.device)
     args = resolve_args(args, config, device)
     if args.context_length > max_pos:
         log.warning("--context-length %d exceeds the model's max_position_embeddings %d; outputs past it "

@@ -87,6 +87,17 @@ def test_deterministic_inference_is_refused_where_it_cannot_act(flags):
         check_deterministic(flags.get("attention_backend", "torch"), flags.get("device", "cpu"))
 
 
+@pytest.mark.parametrize("flags,needle", [({"attention_backend": "flashinfer"}, "flashinfer"),
+                                          ({"attention_backend": "triton", "enable_deterministic_inference": True},
+                                           "deterministic")])
+def test_backend_flags_are_refused_before_the_model_is_read(flags, needle, tmp_path):
+    """The model path does not exist: the refusal comes first, before any file is read or converted."""
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):
+        Engine(model_path=str(tmp_path / "no-such-model"), **flags)
+
+
 def test_radix_hit_gives_same_output(llama_dir):
     base = prompts(1, seed=4, lo=30, hi=31)[0]
     follow = base + [7, 8, 9]

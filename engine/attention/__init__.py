@@ -10,24 +10,30 @@ from engine.errors import ConfigError
 
 def create_backend(name: str, device: str, kv_pool, deterministic: bool = False, draft: bool = False
                    ) -> AttentionBackend:
-    """The backend `name` over one model's K/V buffers (a draft model gets its own); `deterministic`
-    (--enable-deterministic-inference): prefill batch-invariant too. A `draft` model's forwards of a few
-    tokens per request (catch-up on accepted tokens, tree frontiers) attend through the CPU kernel, which
-    reads the cache in place, where the target's prefill gathers it for SDPA."""
-    if deterministic:
-        check_deterministic(name, device)
+    """The backend `name` (accepted by check_backend) over one model's K/V buffers (a draft model gets
+    its own); `deterministic` (--enable-deterministic-inference): prefill batch-invariant too. A `draft`
+    model's forwards of a few tokens per request (catch-up on accepted tokens, tree frontiers) attend
+    through the CPU kernel, which reads the cache in place, where the target's prefill gathers it for SDPA."""
     if name in ("auto", "torch"):
         from engine.attention.torch_backend import DRAFT_KEY_LIST_QUERIES, TorchAttentionBackend
 
         return TorchAttentionBackend(kv_pool, batch_invariant_prefill=deterministic,
                                      key_lists_up_to=DRAFT_KEY_LIST_QUERIES if draft else 1)
+    from engine.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend(kv_pool)
+
+
+def check_backend(name: str, device: str, deterministic: bool) -> None:
+    """Refuse an --attention-backend that cannot run here (and deterministic inference where it cannot
+    act), before any weight loads."""
+    if name not in ("auto", "torch", "triton"):
+        raise ConfigError(f"--attention-backend {name} is not implemented yet (torch and triton are); use "
+                          "--attention-backend torch, triton or auto.")
     if name == "triton":
         check_triton(device)
-        from engine.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend(kv_pool)
-    raise ConfigError(f"--attention-backend {name} is not implemented yet (torch and triton are); use "
-                      "--attention-backend torch, triton or auto.")
+    if deterministic:
+        check_deterministic(name, device)
 
 
 def check_triton(device: str) -> None:
