@@ -493,6 +493,8 @@ BAD = [
      "tools.0.function.parameters"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]}, 400, "messages.0.content.0"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi"}] * 2049}, 400, "messages"),
+    ("/v1/completions", {"prompt": ["hi"] * 2049}, 400, "prompt"),
     ("/v1/chat/completions", {**CHAT, "n": 17, "max_tokens": 1}, 400, "n"),      # --max-n (16), not the queue (64)
     ("/generate", {"text": "hi", "sampling_params": {"json_schema": DEEP}}, 400, "json_schema"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {

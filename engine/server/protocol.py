@@ -52,6 +52,12 @@ def _check_json(value: Any) -> Any:
     return value
 
 
+# Most items in a list of messages, prompts, content parts or tools: checked while the list is validated,
+# so that a body of 200k messages is refused after MAX_ITEMS of them, not after all (each message runs
+# the text checks above, on the event loop).
+MAX_ITEMS = 2048
+Items = Field(max_length=MAX_ITEMS)
+
 # A JSON object whose texts reach the tokenizer (tool parameters) or the grammar compiler (schemas).
 JSONObject = Annotated[dict[str, Any], AfterValidator(_check_json)]
 
@@ -105,7 +111,7 @@ class TextPart(APIBody):
 class Prediction(APIBody):
     """OpenAI's Predicted Outputs: text the answer is expected to mostly repeat."""
     type: Literal["content"]
-    content: Union[Text, list[TextPart]]
+    content: Union[Text, Annotated[list[TextPart], Items]]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -196,18 +202,18 @@ class ToolCall(APIBody):
 
 class ChatMessage(APIBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[Text, list[ContentPart], None] = None
+    content: Union[Text, Annotated[list[ContentPart], Items], None] = None
     name: Optional[Text] = None
     tool_calls: Optional[list[ToolCall]] = None      # an assistant turn's calls
     tool_call_id: Optional[Text] = None              # a tool turn's answer to that call
 
 
 class ChatCompletionRequest(_OpenAISampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_ITEMS)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
-    tools: Optional[list[Tool]] = None
+    tools: Optional[Annotated[list[Tool], Items]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None       # default: true, as OpenAI's
     response_format: Optional[ResponseFormat] = None
@@ -219,7 +225,7 @@ class ChatCompletionRequest(_OpenAISampling):
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: Union[Text, list[Text], list[int], list[list[int]]]
+    prompt: Union[Text, Annotated[list[Text], Items], list[int], Annotated[list[list[int]], Items]]
     echo: bool = False
     suffix: Optional[Literal[""]] = None
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)     # alternatives per token (OpenAI: at most 5)
@@ -228,8 +234,8 @@ class CompletionRequest(_OpenAISampling):
 
 class GenerateRequest(APIBody):
     """SGLang's /generate: one prompt or a batch, as text or token ids."""
-    text: Union[Text, list[Text], None] = None
-    input_ids: Union[list[int], list[list[int]], None] = None
+    text: Union[Text, Annotated[list[Text], Items], None] = None
+    input_ids: Union[list[int], Annotated[list[list[int]], Items], None] = None
     sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None   # a list: one per prompt
     stream: bool = False
     return_logprob: bool = False
