@@ -1,6 +1,6 @@
 """`--help` of every command and group, readable at any width: click's plain layout, one section per
-help panel (Model, Speculative decoding, ...), then a group's commands. A flag name is never cut (one wider than the first
-column puts its help on the next line), and a switch shows no value. Rich's table layout, Typer's
+help panel (Model, Speculative decoding, ...), then a group's commands. A flag name is never cut (one
+wider than the first column puts its help on the next line), and a switch shows no value. Rich's table layout, Typer's
 default, squeezes long names such as `--speculative-num-draft-tokens, --draft-tokens` into an
 ellipsis at 80 columns.
 """

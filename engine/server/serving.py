@@ -123,6 +123,8 @@ class Serving:
         return reqs
 
     async def _compile(self, params: SamplingParams, http: Optional[HTTPRequest]):
+        """The request's grammar, compiled on a worker thread that waits for the compiler process; the
+        client's leaving first stops the compile (CompileCancelled)."""
         gone = threading.Event()
         compiling = asyncio.ensure_future(asyncio.to_thread(self.engine.compile_grammar, params, gone.is_set))
         watch = asyncio.ensure_future(_disconnected(http)) if http is not None else None
