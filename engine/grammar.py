@@ -27,8 +27,9 @@ from engine.errors import RequestError
 from engine.grammar_worker import CompileWorker, compile_constraint
 
 # Limits checked before compiling: compile time grows steeply with nesting (a JSON schema 600 levels
-# deep takes tens of seconds, deeper ones minutes), so deeper ones are refused at once. MAX_DEPTH counts JSON nesting (a nested
-# object property is two levels: its schema and `properties`) and a regex's parentheses.
+# deep takes tens of seconds, deeper ones minutes), so deeper ones are refused at once. MAX_DEPTH counts
+# JSON nesting (a nested object property is two levels: its schema and `properties`) and a regex's
+# parentheses.
 MAX_BYTES, MAX_DEPTH = 64 * 1024, 64
 # Compiled grammars kept, by their text: repeated schemas (and the n choices of one request) compile once.
 CACHE_ENTRIES = 64
