@@ -367,7 +367,14 @@ def test_non_stream_disconnect_aborts(live, monkeypatch):
 
 # ---------------------------------------------------------------------------------------- client mistakes
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
-DEEP = '{"type": "object", "properties": {"a": ' * 100 + '{"type": "string"}' + '}, "required": ["a"]}' * 100
+
+
+def deep(levels: int) -> str:
+    """A JSON schema of objects nested `levels` deep, as text."""
+    return '{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}' + '}, "required": ["a"]}' * levels
+
+
+DEEP = deep(100)
 
 
 def TOOL_TURNS(id="c1", name="f", arguments="{}", tool_call_id="c1"):        # noqa: N802  (a constant's maker)
@@ -500,6 +507,11 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": json.loads(DEEP)}}}, 400, "response_format"),
     ("/v1/completions", {"prompt": "hi", "regex": "(" * 100 + ")" * 100}, 400, "regex"),
+    ("/v1/chat/completions", ('{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": '
+                              '"json_schema", "json_schema": {"name": "x", "schema": ' + deep(600) + '}}}').encode(),
+     400, None),                                                 # nested past what a JSON parser recurses into
+    ("/v1/chat/completions", ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+                              '"function": {"name": "f", "parameters": ' + deep(300) + '}}]}').encode(), 400, None),
     ("/v1/chat/completions", {**CHAT, "continue_final_message": True}, 400, "continue_final_message"),
     ("/v1/chat/completions", {**CHAT, "store": True}, 400, "store"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of"),

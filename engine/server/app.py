@@ -19,7 +19,7 @@ from engine.sampling_params import SamplingParams
 from engine.server import logprobs as lp_format
 from engine.server import openai_api
 from engine.server.errors import APIError, error_response, error_responses, install_error_handlers
-from engine.server.limits import BodyLimit
+from engine.server.limits import BodyLimit, JSONBodyRoute
 from engine.server.protocol import GenerateRequest
 from engine.server.serving import Serving, engine_abort, error_event
 
@@ -77,7 +77,7 @@ def _openapi(app: FastAPI, with_key: bool) -> dict:
 
 
 def _router(serving: Serving) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=JSONBodyRoute)
     engine = serving.engine
     created = int(time.time())
     static_info = engine.get_server_info()

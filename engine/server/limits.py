@@ -1,9 +1,10 @@
-"""Limits that keep one client from holding the server: how large a request body may be, and how long
-a client may take to send a request."""
+"""Limits that keep one client from holding the server: how large a request body may be, how deeply
+nested, and how long a client may take to send a request."""
 
 from __future__ import annotations
 
 import h11
+from fastapi.routing import APIRoute
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.server.errors import error_response
@@ -75,3 +76,25 @@ class ReadDeadlineProtocol(H11Protocol):
     def _expire(self) -> None:
         if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
             self.transport.close()
+
+
+class JSONBodyRoute(APIRoute):
+    """A route that parses its JSON body before FastAPI does (Starlette keeps the parse, so FastAPI
+    reuses it), so that a body nested deeper than Python's JSON parser recurses is a 400: FastAPI
+    catches only malformed JSON, and the RecursionError would be a 500."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request):
+            if "json" in request.headers.get("content-type", "") and await request.body():
+                try:
+                    await request.json()
+                except RecursionError:
+                    return error_response(400, "The request body nests objects and arrays too deeply to parse; "
+                                               "flatten it.", code="invalid_json")
+                except ValueError:
+                    pass                # malformed JSON: FastAPI parses it again and says where
+            return await handler(request)
+
+        return route

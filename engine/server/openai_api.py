@@ -14,10 +14,11 @@ from engine.server import logprobs as lp_format
 from engine.server import tool_calls
 from engine.server.engine_loop import Submission, finish_type
 from engine.server.errors import APIError, error_responses
+from engine.server.limits import JSONBodyRoute
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.serving import Serving, engine_abort, error_event
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 # JSON, or server-sent events with "stream": true.
 STREAMED = {200: {"content": {"text/event-stream": {}}}}
 

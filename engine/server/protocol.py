@@ -35,13 +35,19 @@ StopText = Annotated[str, _checked(allow_nul=True)]
 
 
 def _json_problem(value: Any) -> Optional[str]:
-    """Why a JSON value (a schema, tool parameters) holds text no tokenizer takes, or None."""
-    if isinstance(value, str):
-        return text_problem(value, allow_nul=True)
-    if isinstance(value, dict):
-        return next((p for k, v in value.items() for p in (_json_problem(k), _json_problem(v)) if p), None)
-    if isinstance(value, list):
-        return next((p for v in value if (p := _json_problem(v))), None)
+    """Why a JSON value (a schema, tool parameters) holds text no tokenizer takes, or None. Walked with
+    a stack of its own: a value nested hundreds of levels deep must not exhaust Python's."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            problem = text_problem(node, allow_nul=True)
+            if problem:
+                return problem
+        elif isinstance(node, dict):
+            stack += [*node.keys(), *node.values()]
+        elif isinstance(node, list):
+            stack += node
     return None
 
 
