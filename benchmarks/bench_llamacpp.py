@@ -78,14 +78,16 @@ def cpu_flags() -> str:
     return " ".join(sorted({f for f in text.split() if f.startswith(("avx", "amx"))}))
 
 
-def llama_plain(bin_dir: Path, gguf: Path, new_tokens: int) -> dict:
-    def bench(*args: str) -> list[dict]:
-        return json.loads(subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", "2", *args, "-o", "json"],
-                                         check=True, capture_output=True, text=True).stdout)
+def llama_bench(bin_dir: Path, gguf: Path, *args: str) -> list[dict]:
+    """llama-bench's JSON rows for these arguments, on 2 threads."""
+    return json.loads(subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", "2", *args, "-o", "json"],
+                                     check=True, capture_output=True, text=True).stdout)
 
-    tok_s = bench("-p", "0", "-n", str(new_tokens), "-r", "1")[0]["avg_ts"]
+
+def llama_plain(bin_dir: Path, gguf: Path, new_tokens: int) -> dict:
+    tok_s = llama_bench(bin_dir, gguf, "-p", "0", "-n", str(new_tokens), "-r", "1")[0]["avg_ts"]
     # Its own verify cost, as spec's is measured: 8 tokens in one batch against 1, after 512 cached tokens.
-    runs = bench("-p", "8", "-n", "16", "-d", "512", "-r", "2")
+    runs = llama_bench(bin_dir, gguf, "-p", "8", "-n", "16", "-d", "512", "-r", "2")
     batch8 = next(r["avg_ts"] for r in runs if r["n_prompt"] == 8)
     step = next(r["avg_ts"] for r in runs if r["n_gen"] == 16)
     return {"tok_s": tok_s, "verify8": 8 * step / batch8}

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import tempfile
 from pathlib import Path
 
-from bench_llamacpp import build_llama_cpp, cpu_flags  # noqa: E402  (benchmarks/ is run as a script folder)
+from bench_llamacpp import build_llama_cpp, cpu_flags, llama_bench  # noqa: E402  (benchmarks/ is run as a script folder)
 
 from engine.bench.code_edit import code_edit_rows
 
@@ -51,9 +50,7 @@ def spec_case(model: str, algo: str, dataset: Path, max_new: int) -> dict:
 
 
 def llama_decode(bin_dir: Path, gguf: Path) -> float:
-    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", "2", "-p", "0", "-n", "256",
-                          "-r", "2", "-o", "json"], check=True, capture_output=True, text=True).stdout
-    return json.loads(out)[0]["avg_ts"]
+    return llama_bench(bin_dir, gguf, "-p", "0", "-n", "256", "-r", "2")[0]["avg_ts"]
 
 
 def main() -> None:
