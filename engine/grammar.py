@@ -44,23 +44,35 @@ class GrammarBackend:
                  any_whitespace: bool = True, compile_timeout: float = 10.0):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, list(eos_ids)
         self.enabled, self.any_whitespace, self.compile_timeout = enabled, any_whitespace, compile_timeout
-        self._compiler = None
-        self.worker: Optional[CompileWorker] = None
+        self._info = self._compiler = None
+        self.worker: Optional[CompileWorker] = None             # the server's compiler process, once used
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _get_compiler(self):
+    def _tokenizer_info(self):
+        """xgrammar's view of the vocabulary, built on first use (call with the lock held)."""
+        if self._info is None:
+            import xgrammar as xgr
+
+            # A copy: the server compiles on a worker thread while the engine thread decodes with the
+            # original, and tokenizers' Rust objects are best kept to one thread each.
+            self._info = xgr.TokenizerInfo.from_huggingface(copy.deepcopy(self.tokenizer), vocab_size=self.vocab_size,
+                                                            stop_token_ids=self.eos_ids)
+        return self._info
+
+    def _compile_here(self, kind: str, text: str):
         with self._lock:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                # A copy: the server compiles on a worker thread while the engine thread decodes with
-                # the original, and tokenizers' Rust objects are best kept to one thread each.
-                info = xgr.TokenizerInfo.from_huggingface(copy.deepcopy(self.tokenizer), vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.eos_ids)
-                self._compiler = xgr.GrammarCompiler(info)
-                self.worker = CompileWorker(info, self.any_whitespace)
-            return self._compiler
+                self._compiler = xgr.GrammarCompiler(self._tokenizer_info())
+        return compile_constraint(self._compiler, kind, text, self.any_whitespace)
+
+    def _compile_in_worker(self, kind: str, text: str, cancelled: Callable[[], bool]):
+        with self._lock:
+            if self.worker is None:
+                self.worker = CompileWorker(self._tokenizer_info(), self.any_whitespace)
+        return self.worker.compile(kind, text, self.compile_timeout, cancelled)
 
     def compile(self, kind: str, text: str, cancelled: Optional[Callable[[], bool]] = None):
         """The compiled grammar of a constraint (kind: a SamplingParams.CONSTRAINTS name); a
@@ -75,11 +87,8 @@ class GrammarBackend:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        compiler = self._get_compiler()
-        if cancelled is None:
-            compiled = compile_constraint(compiler, kind, text, self.any_whitespace)
-        else:
-            compiled = self.worker.compile(kind, text, self.compile_timeout, cancelled)
+        compiled = (self._compile_here(kind, text) if cancelled is None
+                    else self._compile_in_worker(kind, text, cancelled))
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > CACHE_ENTRIES:

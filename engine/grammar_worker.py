@@ -55,7 +55,7 @@ class CompileWorker:
 
     def __init__(self, tokenizer_info, any_whitespace: bool):
         self._info, self._any_whitespace = tokenizer_info, any_whitespace
-        self._info_json = tokenizer_info.serialize_json()
+        self._info_json = None          # the vocabulary as the child receives it, serialized once
         self._lock = threading.Lock()
         self._proc = self._conn = None
         self.cut_short = 0              # compiles killed (time limit or client gone): tests read it
@@ -100,6 +100,8 @@ class CompileWorker:
         return self._conn.recv()
 
     def _start(self) -> None:
+        if self._info_json is None:
+            self._info_json = self._info.serialize_json()
         context = multiprocessing.get_context("spawn")      # never fork a process that runs torch threads
         self._conn, child = context.Pipe()
         self._proc = context.Process(target=_serve, args=(child, self._info_json, self._any_whitespace),
