@@ -111,7 +111,8 @@ def check_limits(kind: str, text: str) -> None:
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > MAX_BYTES:
         raise RequestError(f"{kind} is {size} bytes; this server compiles grammars of at most {MAX_BYTES} bytes.", kind)
-    depth = _json_depth(text) if kind in ("json_schema", "structural_tag") else _paren_depth(text) if kind == "regex" else 0
+    depth = (_json_depth(text) if kind in ("json_schema", "structural_tag")
+             else _paren_depth(text) if kind == "regex" else 0)
     if depth > MAX_DEPTH:
         raise RequestError(f"{kind} nests {depth} levels deep; this server compiles at most {MAX_DEPTH} levels "
                            "(deeper ones can take minutes to compile).", kind)

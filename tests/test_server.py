@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine import Engine, ServerArgs
 from engine.server import make_server
 from engine.server.limits import ReadDeadlineProtocol
-from tests.tiny import make_model
+from tests.tiny import deep_schema, make_model
 
 KEY = "test-key"
 IGNORE_EOS = {"ignore_eos": True}
@@ -367,14 +367,7 @@ def test_non_stream_disconnect_aborts(live, monkeypatch):
 
 # ---------------------------------------------------------------------------------------- client mistakes
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
-
-
-def deep(levels: int) -> str:
-    """A JSON schema of objects nested `levels` deep, as text."""
-    return '{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}' + '}, "required": ["a"]}' * levels
-
-
-DEEP = deep(100)
+DEEP = deep_schema(100)
 
 
 def TOOL_TURNS(id="c1", name="f", arguments="{}", tool_call_id="c1"):        # noqa: N802  (a constant's maker)
@@ -508,10 +501,11 @@ BAD = [
         "name": "x", "schema": json.loads(DEEP)}}}, 400, "response_format"),
     ("/v1/completions", {"prompt": "hi", "regex": "(" * 100 + ")" * 100}, 400, "regex"),
     ("/v1/chat/completions", ('{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": '
-                              '"json_schema", "json_schema": {"name": "x", "schema": ' + deep(600) + '}}}').encode(),
-     400, None),                                                 # nested past what a JSON parser recurses into
+                              '"json_schema", "json_schema": {"name": "x", "schema": ' + deep_schema(600)
+                              + '}}}').encode(), 400, None),     # nested past what a JSON parser recurses into
     ("/v1/chat/completions", ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
-                              '"function": {"name": "f", "parameters": ' + deep(300) + '}}]}').encode(), 400, None),
+                              '"function": {"name": "f", "parameters": ' + deep_schema(300) + '}}]}').encode(),
+     400, None),
     ("/v1/chat/completions", {**CHAT, "continue_final_message": True}, 400, "continue_final_message"),
     ("/v1/chat/completions", {**CHAT, "store": True}, 400, "store"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of"),
@@ -736,7 +730,6 @@ def test_a_grammar_stops_compiling_when_its_client_leaves(live, monkeypatch):
     client closes the connection, the compiler process is stopped (observed in the worker's count,
     not by timing), and the next grammar compiles in a fresh one."""
     import engine.grammar as grammar
-    from tests.test_structured import deep_schema
 
     monkeypatch.setattr(grammar, "MAX_DEPTH", 10_000)
     backend = live.engine.grammars

@@ -22,7 +22,7 @@ from engine.grammar import GrammarBackend, row_bitmask
 from engine.sampling import SamplingBatch
 from engine.sampling_params import SamplingParams
 from tests.test_speculative_lossless import ALGOS, VOCAB, chi_square_p, draft_setup, prompts, spec_engine
-from tests.tiny import make_model, make_tokenizer, target_probs
+from tests.tiny import deep_schema, make_model, make_tokenizer, target_probs
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 SCHEMA = {"type": "object", "properties": {
@@ -164,11 +164,6 @@ def test_grammar_errors_name_the_parameter(plain):
         with pytest.raises(RequestError) as err:
             SamplingParams.from_dict({"json_schema": "{}", **extra})
         assert err.value.param == param
-
-
-def deep_schema(levels: int) -> str:
-    """A schema of objects nested `levels` deep (as text: json.dumps recurses past Python's limit)."""
-    return '{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}' + '}, "required": ["a"]}' * levels
 
 
 def test_grammars_past_the_limits_are_refused_before_compiling(plain):

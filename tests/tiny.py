@@ -151,3 +151,8 @@ def tiny_runner(model_dir, slots: int = 1024, rows: int = 8, dtype=torch.float32
     layers, heads, head_dim = kv_layout(model)
     pool = KVPool(layers, slots, heads, head_dim, dtype, "cpu")
     return ModelRunner(model, pool, create_backend("torch", "cpu", pool)), KVManager(slots, rows, 512, "cpu", radix=False)
+
+
+def deep_schema(levels: int) -> str:
+    """A JSON schema of objects nested `levels` deep, as text (json.dumps recurses past Python's limit)."""
+    return '{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}' + '}, "required": ["a"]}' * levels
