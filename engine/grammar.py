@@ -112,18 +112,19 @@ def check_limits(kind: str, text: str) -> None:
     if size > MAX_BYTES:
         raise RequestError(f"{kind} is {size} bytes; this server compiles grammars of at most {MAX_BYTES} bytes.", kind)
     depth = (_json_depth(text) if kind in ("json_schema", "structural_tag")
-             else _paren_depth(text) if kind == "regex" else 0)
+             else _nesting(text, "(", ")") if kind == "regex" else 0)
     if depth > MAX_DEPTH:
         raise RequestError(f"{kind} nests {depth} levels deep; this server compiles at most {MAX_DEPTH} levels "
                            "(deeper ones can take minutes to compile).", kind)
 
 
 def _json_depth(text: str) -> int:
-    """Nesting depth of a JSON text's objects and arrays (0 when it is not JSON: the compiler says why)."""
+    """Nesting depth of a JSON text's objects and arrays; where it does not parse (malformed, or nested
+    past the parser's recursion), the depth of its brackets."""
     try:
         value = json.loads(text)
     except (ValueError, RecursionError):
-        return _bracket_depth(text)
+        return _nesting(text, "[{", "]}")
     depth, level = 0, [(value, 1)]
     while level:
         node, d = level.pop()
@@ -133,18 +134,8 @@ def _json_depth(text: str) -> int:
     return depth
 
 
-def _bracket_depth(text: str) -> int:
-    depth = deepest = 0
-    for ch in text:
-        if ch in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch in "]}":
-            depth -= 1
-    return deepest
-
-
-def _paren_depth(text: str) -> int:
+def _nesting(text: str, opening: str, closing: str) -> int:
+    """How deep the `opening`/`closing` characters nest in text, backslash-escaped ones left out."""
     depth = deepest = 0
     escaped = False
     for ch in text:
@@ -152,10 +143,10 @@ def _paren_depth(text: str) -> int:
             escaped = False
         elif ch == "\\":
             escaped = True
-        elif ch == "(":
+        elif ch in opening:
             depth += 1
             deepest = max(deepest, depth)
-        elif ch == ")":
+        elif ch in closing:
             depth -= 1
     return deepest
 

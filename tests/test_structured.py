@@ -178,7 +178,7 @@ def test_grammars_past_the_limits_are_refused_before_compiling(plain):
             plain.compile_grammar(SamplingParams.from_dict({key: text}))
         assert err.value.param == key
     assert plain.compile_grammar(SamplingParams.from_dict({"json_schema": deep_schema(20)})) is not None
-    assert grammar._json_depth(deep_schema(20)) == 41 and grammar._paren_depth(r"(a\(b(c))") == 2
+    assert grammar._json_depth(deep_schema(20)) == 41 and grammar._nesting(r"(a\(b(c))", "(", ")") == 2
 
 
 def test_compiles_in_the_process_are_cut_short_and_cached(plain, monkeypatch):
