@@ -27,6 +27,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -122,12 +123,26 @@ def run_logged(cmd: list[str], env: dict, log_path: Path, timeout: int) -> tuple
 
 # ------------------------------------------------------------------------------------------------ tests
 def run_tests(env: dict, out: Path) -> dict:
-    xml = out / "pytest.xml"
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
-           f"--junitxml={xml}", "tests/test_gpu.py"]
-    say(f"GPU tests (at most {TESTS_TIMEOUT_S} s), log in {out / 'pytest.log'}")
-    rc, seconds = run_logged(cmd, env, out / "pytest.log", TESTS_TIMEOUT_S)
-    return {"rc": rc, "seconds": round(seconds, 1), **junit_counts(xml)}
+    """Each test function of tests/test_gpu.py in a pytest process of its own: a CUDA error is sticky (an
+    illegal memory access spoils the process's context), so one failing test must not fail the rest."""
+    names = re.findall(r"^def (test_\w+)\(", (ROOT / "tests" / "test_gpu.py").read_text(), re.M)
+    say(f"GPU tests: {len(names)} functions, one process each (at most {TESTS_TIMEOUT_S} s in all), "
+        f"log in {out / 'pytest.log'}")
+    totals = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": []}
+    worst, seconds = 0, 0.0
+    with open(out / "pytest.log", "w") as log:
+        for name in names:
+            xml, part = out / f"pytest-{name}.xml", out / f"pytest-{name}.log"
+            cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
+                   f"--junitxml={xml}", f"tests/test_gpu.py::{name}"]
+            rc, took = run_logged(cmd, env, part, max(10, int(TESTS_TIMEOUT_S - seconds)))
+            log.write(f"===== {name} (exit {rc}, {took:.1f} s)\n{part.read_text()}\n")
+            counts = junit_counts(xml)
+            xml.unlink(missing_ok=True), part.unlink()
+            for key in totals:
+                totals[key] += counts[key]
+            worst, seconds = worst or rc, seconds + took
+    return {"rc": worst, "seconds": round(seconds, 1), **totals}
 
 
 def junit_counts(xml: Path) -> dict:

@@ -100,8 +100,11 @@ class StepGraphs:
                batch.capture_hidden)
         if key not in self._graphs:
             log.info("capturing a graph for %d requests x %d tokens", batch.batch_size, batch.extend_lens[0])
-            replay, out = self.capture(self.fn, batch)
-            self._graphs[key] = (replay, batch, out)
+            # The graph reads these tensors by address at every replay: its own copy of the batch keeps
+            # them alive when the caller prepares its batch again (a new attn frees the old metadata).
+            static = dataclasses.replace(batch)
+            replay, out = self.capture(self.fn, static)
+            self._graphs[key] = (replay, static, out)
             return out
         replay, static, out = self._graphs[key]
         _copy_into(static, batch)

@@ -4,9 +4,13 @@ inputs, so every input a step needs must be copied into them. Outputs stay exact
 
 from __future__ import annotations
 
-import pytest
+import gc
+import weakref
 
-from engine.graph_runner import StepGraphs, buckets
+import pytest
+import torch
+
+from engine.graph_runner import StepGraphs, _dummy_batch, buckets
 from tests.test_speculative_lossless import ALGOS, draft_setup
 from tests.tiny import make_model, random_prompts, tiny_engine
 
@@ -73,3 +77,22 @@ def test_compiled_decode_gives_the_same_tokens(algo, weights, target, tmp_path):
     eng._target.graphs.fn = lambda batch: calls.append(batch.batch_size) or fn(batch)
     assert [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)] == expected
     assert 4 in calls
+
+
+def test_captured_inputs_outlive_the_callers_batch(target):
+    """A CUDA graph reads its inputs by address: when the caller prepares the batch it was captured on
+    again (new attention metadata), the tensors the graph reads must stay alive, or a replay reads
+    freed memory (on a GPU: an illegal memory access)."""
+    pytest.importorskip("triton")
+    eng = tiny_engine(target, attention_backend="triton")
+    runner, kv = eng._target, eng._kv
+    graphs = StepGraphs(runner.run_model, runner.backend.prepare, 4, kv.pad_row, kv.pad_slot, replaying_capture)
+    with torch.inference_mode():
+        batch = _dummy_batch(kv, 4, 1, None, torch.full((4,), kv.pad_slot, dtype=torch.long))
+        graphs.run(batch, 4)                                  # a full bucket: captured on this batch
+        read = [weakref.ref(t) for t in vars(batch.attn).values() if isinstance(t, torch.Tensor)]
+        runner.backend.prepare(batch)
+        del batch
+        gc.collect()
+        assert read and all(r() is not None for r in read)
+        graphs.run(_dummy_batch(kv, 4, 1, None, torch.full((4,), kv.pad_slot, dtype=torch.long)), 4)   # replays
