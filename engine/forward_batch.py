@@ -15,6 +15,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from engine.to_device import to_device
+
 
 @dataclass
 class ForwardBatch:
@@ -59,7 +61,7 @@ class ForwardBatch:
     def padded_tails(self) -> tuple[torch.Tensor, torch.Tensor]:
         """([B, max tail] each request's tail slots, 0-padded; [B] tail lengths), on the device."""
         device, lens = self.out_slots.device, self.tail_lens
-        n = torch.tensor(lens, device=device)
+        n = to_device(lens, device)
         tails = torch.zeros((len(lens), max(lens)), dtype=torch.long, device=device)
         b = torch.arange(len(lens), device=device).repeat_interleave(n, output_size=sum(lens))
         tails[b, torch.arange(len(b), device=device) - (n.cumsum(0) - n)[b]] = self.tail_slots
@@ -73,15 +75,15 @@ def make_batch(table: torch.Tensor, rows: Sequence[int], prefix_lens: Sequence[i
     """Lay a step's work out as one ForwardBatch on the table's device. `positions` default to the
     positions right after each request's prefix and extra keys."""
     device = table.device
-    input_ids = torch.as_tensor(input_ids, dtype=torch.long).to(device)
+    input_ids = to_device(torch.as_tensor(input_ids, dtype=torch.long), device)
     if positions is None:
-        n = torch.tensor(list(extend_lens), device=device)
-        starts = torch.tensor([p + e for p, e in zip(prefix_lens, extra_lens or [0] * len(prefix_lens))], device=device)
+        n = to_device(list(extend_lens), device)
+        starts = to_device([p + e for p, e in zip(prefix_lens, extra_lens or [0] * len(prefix_lens))], device)
         offsets = n.cumsum(0) - n
         positions = (starts - offsets).repeat_interleave(n, output_size=len(input_ids)) + \
             torch.arange(len(input_ids), device=device)
     return ForwardBatch(
-        input_ids=input_ids, positions=positions.to(device), out_slots=out_slots.to(device), table=table,
-        rows=torch.tensor(list(rows), dtype=torch.long, device=device), prefix_lens=list(prefix_lens),
-        extend_lens=list(extend_lens), extra_slots=None if extra_slots is None else extra_slots.to(device),
+        input_ids=input_ids, positions=to_device(positions, device), out_slots=to_device(out_slots, device), table=table,
+        rows=to_device(list(rows), device, torch.long), prefix_lens=list(prefix_lens),
+        extend_lens=list(extend_lens), extra_slots=None if extra_slots is None else to_device(extra_slots, device),
         extra_lens=None if extra_lens is None else list(extra_lens), masks=masks, capture_hidden=capture_hidden)

@@ -21,6 +21,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.to_device import to_device
 from spec_kernels.cpu_argmax import argmax
 from spec_kernels.cpu_keyed_sample import GOLDEN, keyed_sample, mix, shr
 
@@ -50,8 +51,9 @@ class SamplingBatch:
         self.reqs, self.eos_ids, self.device = list(reqs), list(eos_ids), device
         self.rows_per_req = list(rows_per_req) if rows_per_req is not None else [1] * len(reqs)
         self.paths, self.bitmask = paths, bitmask
-        counts = torch.tensor(self.rows_per_req, device=device)
-        self.req_of = torch.repeat_interleave(torch.arange(len(reqs), device=device), counts)
+        counts = to_device(self.rows_per_req, device)
+        self.req_of = torch.repeat_interleave(torch.arange(len(reqs), device=device), counts,
+                                              output_size=sum(self.rows_per_req))
         self.depth = depth if depth is not None else torch.zeros_like(self.req_of)
         params = [r.params for r in reqs]
         self.all_greedy = all(p.greedy for p in params)
@@ -63,7 +65,7 @@ class SamplingBatch:
     # ------------------------------------------------------------------ per-row settings
     def _row(self, name: str, values, dtype) -> torch.Tensor:
         if name not in self._per_req:
-            self._per_req[name] = torch.tensor(values, dtype=dtype, device=self.device)
+            self._per_req[name] = to_device(values, self.device, dtype)
         return self._per_req[name][self.req_of]
 
     @property
@@ -128,9 +130,9 @@ class SamplingBatch:
                     sub = logits[rows]                                  # a view: written in place
                     sub[:, ids] = torch.where(blocked[:, None], float("-inf"), sub[:, ids])
             if p.logit_bias:
-                ids = torch.tensor([int(t) for t in p.logit_bias], device=logits.device)
+                ids = to_device([int(t) for t in p.logit_bias], logits.device)
                 sub = logits[rows]
-                sub[:, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+                sub[:, ids] += to_device(list(p.logit_bias.values()), logits.device)
         if self.bitmask is not None:
             from engine.grammar import apply_bitmask
 
@@ -152,9 +154,9 @@ class SamplingBatch:
 
     def _history(self, b: int, req: Sampled, n: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Token counts per row [n, V]: over prompt + output + path, and over output + path."""
-        ids = torch.tensor(req.token_ids, dtype=torch.long, device=self.device)
+        ids = to_device(req.token_ids, self.device, torch.long)
         ids = ids[ids < vocab]
-        output = torch.tensor(req.token_ids[req.prompt_len:], dtype=torch.long, device=self.device)
+        output = to_device(req.token_ids[req.prompt_len:], self.device, torch.long)
         output = output[output < vocab]
         out_counts = torch.bincount(output, minlength=vocab)[:vocab].float().expand(n, vocab).clone()
         if self.paths is not None and n > 1:

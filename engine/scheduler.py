@@ -429,7 +429,7 @@ class Scheduler:
 
     def _apply_decode(self, step: DecodeStep, result: StepResult) -> list[Request]:
         live = [not r.finished for r in step.reqs]
-        self._commit(step, result.counts, result.kept.to(step.slots.device) & torch.tensor(live)[:, None], live)
+        self._commit(step, result.counts, result.kept & torch.tensor(live)[:, None], live)
         self.stats["decode_steps"] += 1
         logprobs = result.logprobs or [None] * len(step.reqs)
         for i, req in enumerate(step.reqs):

@@ -46,7 +46,7 @@ class DecodeStep:
 class StepResult:
     tokens: list[list[int]]                  # new tokens per request (none for a piece of a prompt)
     counts: list[int]                        # tokens whose KV to commit, per request
-    kept: Optional[torch.Tensor] = None      # decode: [B, S] bool, the slots of those tokens in order
+    kept: Optional[torch.Tensor] = None      # decode: [B, S] bool on the host, the slots of those tokens in order
     drafts: Optional[list[int]] = None       # speculative decode: draft tokens accepted per request
     captured: Optional[list] = None          # per request, hidden states to keep (Request.captured)
     predicted: Optional[list[int]] = None    # per request, tokens of its prediction chain accepted

@@ -24,6 +24,7 @@ from engine.speculative.drafter import Drafter
 from engine.speculative.tree import TreeBatch
 from engine.speculative.verify import sampling_rule, verify
 from engine.step import DecodeStep, PrefillStep, StepResult
+from engine.to_device import to_device
 from spec_kernels import cpu_argmax
 
 
@@ -93,18 +94,21 @@ class Worker:
     def _decode(self, step: DecodeStep) -> StepResult:
         reqs, device = step.reqs, self.table.device
         tree = (self.drafter.draft(self._drafter_view(step)) if self.drafter else
-                TreeBatch.roots(torch.tensor([r.token_ids[-1] for r in reqs], device=device)))
+                TreeBatch.roots(to_device([r.token_ids[-1] for r in reqs], device)))
         own = list(tree.sizes)              # the drafter's nodes; a prediction chain's come after them
         if step.chain_slots:
             tree = tree.with_chains(step.chains)
-        full = all(n == tree.width for n in tree.sizes)
+        # The trees' nodes, request after request: an index made on the host (a boolean mask on the
+        # device would wait for the GPU to count its rows).
+        nodes = None if all(n == tree.width for n in tree.sizes) else to_device(
+            [b * tree.width + i for b, n in enumerate(tree.sizes) for i in range(n)], device)
 
         def flat(x: torch.Tensor) -> torch.Tensor:
-            return x.flatten(0, 1) if full else x[tree.valid]
+            return x.flatten(0, 1) if nodes is None else x.flatten(0, 1)[nodes]
 
         depth = tree.depth
-        kv = torch.tensor([r.kv_len for r in reqs], device=device)
-        slots = step.slots.to(device)
+        kv = to_device([r.kv_len for r in reqs], device)
+        slots = to_device(step.slots, device)
         if self.tree_as_decode and tree.width > 1:
             batch = self._nodes_as_decode_rows(reqs, tree, slots)
         else:
@@ -127,7 +131,7 @@ class Worker:
         if self.capture or any(r.return_logprob for r in reqs):
             # Emitted token i of request b: the drafted child on the accepted path, then the bonus; its
             # distribution is that of path node i, the flat logits row starts[b] + index[b, i].
-            sizes = torch.tensor(tree.sizes, device=device)
+            sizes = to_device(tree.sizes, device)
             rows = (sizes.cumsum(0) - sizes)[:, None] + accepted.index
         logprobs = None
         if any(r.return_logprob for r in reqs):
@@ -141,14 +145,13 @@ class Worker:
         lengths = [h[0] for h in host]
         paths = [h[2:2 + n] for h, n in zip(host, lengths)]
         tokens = [h[3 + width:2 + width + n] + [h[1]] for h, n in zip(host, lengths)]
-        on_path = torch.arange(width, device=device)[None, :] < accepted.length[:, None]
-        kept = torch.zeros(slots.shape, dtype=torch.bool, device=device)
-        kept.scatter_(1, accepted.index, on_path)
-        kept[:, 0] = True                   # the root: padding indices point at it too, never unset it
+        kept = torch.zeros(step.slots.shape, dtype=torch.bool)      # on the host, where the scheduler reads it
+        kept[[b for b, path in enumerate(paths) for _ in path], [i for path in paths for i in path]] = True
         if self.drafter:
             self.drafter.after_verify(step, out, tree.sizes, paths, tokens)
         captured = None
         if self.capture:
+            on_path = torch.arange(width, device=device)[None, :] < accepted.length[:, None]
             picked = cpu_argmax.argmax(out.logits[rows[on_path]])
             captured = self._captured(out, rows[on_path], lengths, reqs, picked)
         predicted = [sum(i >= n for i in path) for path, n in zip(paths, own)] if step.chain_slots else None
@@ -175,7 +178,7 @@ class Worker:
         node_req = torch.arange(B).repeat_interleave(torch.tensor(tree.sizes)).tolist()
         return make_batch(self.table, [reqs[b].row for b in node_req], [reqs[b].kv_len for b in node_req],
                           tree.tokens[valid], slots[:, :N][valid], [1] * len(node_req),
-                          positions=(torch.tensor([r.kv_len for r in reqs], device=slots.device)[:, None] + depth)[valid],
+                          positions=(to_device([r.kv_len for r in reqs], slots.device)[:, None] + depth)[valid],
                           extra_slots=extra, extra_lens=depth[valid].tolist(), capture_hidden=self._capture_hidden)
 
     def _captured(self, out: ForwardOutput, rows: torch.Tensor, lens: Sequence[int], reqs, argmax: torch.Tensor) -> list:

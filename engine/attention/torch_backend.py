@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.memory.kv_pool import KVPool
+from engine.to_device import to_device
 from spec_kernels import cpu_attention
 
 
@@ -69,7 +70,7 @@ class TorchAttentionBackend(AttentionBackend):
         B, device = batch.batch_size, batch.table.device
         kv_lens = [p + t for p, t in zip(batch.prefix_lens, batch.tail_lens)]
         max_kv, max_new, max_prefix = max(kv_lens), max(batch.extend_lens), max(batch.prefix_lens)
-        prefix = torch.tensor(batch.prefix_lens, device=device)
+        prefix = to_device(batch.prefix_lens, device)
         tails, tail = batch.padded_tails()
         kv_index = torch.zeros((B, max_kv), dtype=torch.long, device=device)
         kv_index[:, :max_prefix] = batch.table[batch.rows, :max_prefix]
@@ -91,7 +92,7 @@ class TorchAttentionBackend(AttentionBackend):
             batch.attn = _Metadata(kv_index, mask, None, None, 1, self._buffers(kv_index))
             return
 
-        new = torch.tensor(batch.extend_lens, device=device)
+        new = to_device(batch.extend_lens, device)
         q_pos = torch.arange(max_new, device=device)
         j = key_pos[None, None, :] - prefix[:, None, None]                           # tail index of a key
         if batch.masks is None:
@@ -102,7 +103,7 @@ class TorchAttentionBackend(AttentionBackend):
             seen = batch.masks.to(device).gather(2, index)
         mask = (j < 0) | ((j < tail[:, None, None]) & seen)
         valid = q_pos[None, :] < new[:, None]                                        # [B, max_new]
-        unpad_index = (torch.arange(B, device=device)[:, None] * max_new + q_pos[None, :])[valid]
+        unpad_index = to_device([b * max_new + i for b, n in enumerate(batch.extend_lens) for i in range(n)], device)
         if key_lists:
             slots, lens = _key_lists(kv_index, mask.view(B * max_new, max_kv)[unpad_index], unpad_index // max_new)
             starts = torch.cat([new.new_zeros(1), new.cumsum(0)])

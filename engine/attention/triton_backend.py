@@ -13,6 +13,7 @@ import torch
 from engine.attention.base import AttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.memory.kv_pool import KVPool
+from engine.to_device import to_device
 
 
 @dataclass
@@ -33,10 +34,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch) -> None:
         device = batch.table.device
-        new = torch.tensor(batch.extend_lens, device=device)
+        new = to_device(batch.extend_lens, device)
         tails, tail_lens = batch.padded_tails()
         batch.attn = _Metadata(torch.nn.functional.pad(new.cumsum(0), (1, 0)),
-                               torch.tensor(batch.prefix_lens, device=device), tails, tail_lens,
+                               to_device(batch.prefix_lens, device), tails, tail_lens,
                                None if batch.masks is None else batch.masks.to(device), max(batch.extend_lens))
 
     def forward(self, q, k, v, layer, batch, scale):

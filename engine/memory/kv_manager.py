@@ -24,6 +24,7 @@ from engine.memory.budget import KVBudget
 from engine.memory.kv_pool import TokenSlotAllocator
 from engine.memory.radix_cache import RadixCache
 from engine.request import Request
+from engine.to_device import to_device
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
@@ -142,4 +143,4 @@ def write_table(table: torch.Tensor, reqs: Sequence[Request], counts: Sequence[i
     rows = [r.row for r, k in zip(reqs, counts) for _ in range(k)]
     cols = [r.kv_len + j for r, k in zip(reqs, counts) for j in range(k)]
     device = table.device
-    table[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = slots.to(device)
+    table[to_device(rows, device), to_device(cols, device)] = to_device(slots, device)

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from engine.speculative.tree import TreeBatch
+from engine.to_device import to_device
 
 # expand(depth, tokens [B, k], parents [B, k]) -> draft scores [B, k, V] over the target vocabulary:
 # feeds the frontier at `depth` (its parents' indices in the previous frontier; 0 at depth 1, the root).
@@ -85,7 +86,7 @@ def search_trees(roots: torch.Tensor, root_scores: torch.Tensor, expand: Expand,
     n = num_draft_tokens - 1
     ranked = all_scores.sort(dim=1, descending=True, stable=True).indices[:, :n]          # [B, n]
     # Parents before children, siblings (and cousins) best first: by depth, then rank.
-    depth_of = torch.tensor(depths, device=device)
+    depth_of = to_device(depths, device)
     order = (depth_of[ranked] * n + torch.arange(n, device=device)).argsort(dim=1)
     keep = ranked.gather(1, order)
     new_index = torch.zeros((B, generated), dtype=torch.long, device=device)

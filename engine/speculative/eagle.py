@@ -39,6 +39,7 @@ from engine.speculative.model_drafter import ModelDrafter
 from engine.speculative.token_map import load_token_map
 from engine.speculative.tree import TreeBatch
 from engine.step import DecodeStep, PrefillStep
+from engine.to_device import to_device
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class EagleDrafter(ModelDrafter):
         return self.model.logits(hidden)
 
     def root(self, step: DecodeStep, roots: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        state = self.last[torch.tensor([r.row for r in step.reqs], device=self.last.device)]
+        state = self.last[to_device([r.row for r in step.reqs], self.last.device)]
         return self.scores(state), state
 
     def _extend(self, rows: list[int], prefix: list[int], tokens, slots: torch.Tensor, lens: list[int],
@@ -118,8 +119,8 @@ class EagleDrafter(ModelDrafter):
         """Feed committed positions (tokens shifted by one, the target's features) and keep each row's
         output at its newest position."""
         hidden = self.feed(make_batch(self.table, rows, prefix, tokens, slots, lens), features)
-        ends = torch.tensor(lens, device=hidden.device).cumsum(0) - 1
-        self.last[torch.tensor(rows, device=hidden.device)] = hidden[ends].to(self.last.dtype)
+        ends = to_device(lens, hidden.device).cumsum(0) - 1
+        self.last[to_device(rows, hidden.device)] = hidden[ends].to(self.last.dtype)
 
     def after_prefill(self, step: PrefillStep, out: ForwardOutput, next_tokens: Sequence[int]) -> None:
         tokens = [t for req, n, nxt in zip(step.reqs, step.lens, next_tokens)
@@ -132,7 +133,7 @@ class EagleDrafter(ModelDrafter):
                      paths: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]]) -> None:
         # Path node j sits at position kv_len + j; the token after it is the j-th that came out.
         starts = [sum(sizes[:b]) for b in range(len(sizes))]
-        rows = torch.tensor([s + i for s, path in zip(starts, paths) for i in path], device=out.hidden.device)
+        rows = to_device([s + i for s, path in zip(starts, paths) for i in path], out.hidden.device)
         slots = torch.cat([step.slots[b, path] for b, path in enumerate(paths)])
         features = self.model.target_features(out.hidden, out.captured, rows)
         self._extend([r.row for r in step.reqs], [r.kv_len for r in step.reqs], [t for ts in tokens for t in ts],
@@ -193,8 +194,8 @@ class MultiLayerMtpDrafter(EagleDrafter):
             w = [len(x) for x in t]
             hidden = self._run(k, make_batch(self.table, r, p, torch.cat(t), torch.cat(sl), w), torch.cat(f))
             if k == 0:
-                ends = torch.tensor(w, device=hidden.device).cumsum(0) - 1
-                self.last[torch.tensor(r, device=hidden.device)] = hidden[ends].to(self.last.dtype)
+                ends = to_device(w, hidden.device).cumsum(0) - 1
+                self.last[to_device(r, hidden.device)] = hidden[ends].to(self.last.dtype)
         for row, n, o in zip(rows, lens, starts):
             kept = min(self.layers - 1, self.kept[row] + n)
             newest = torch.cat([self.tail[row], features[o:o + n]])[-kept:]
@@ -203,7 +204,7 @@ class MultiLayerMtpDrafter(EagleDrafter):
 
     def draft(self, step: DecodeStep) -> TreeBatch:
         reqs, device = step.reqs, self.table.device
-        roots = torch.tensor([r.token_ids[-1] for r in reqs], device=device)
+        roots = to_device([r.token_ids[-1] for r in reqs], device)
         rows, kv_lens = [r.row for r in reqs], [r.kv_len for r in reqs]
         scratch = step.slots[:, self.num_draft_tokens:].to(device)
         drafted = []
@@ -218,7 +219,7 @@ class MultiLayerMtpDrafter(EagleDrafter):
                                torch.cat([scratch[b, :x] for b, x in enumerate(w)]), w)
             features = torch.cat([self.tail[row, self.layers - 1 - x:] for row, x in zip(rows, w)])
             hidden = self._run(depth, batch, features)
-            ends = torch.tensor(w, device=hidden.device).cumsum(0) - 1
+            ends = to_device(w, hidden.device).cumsum(0) - 1
             return self.scores(hidden[ends])[:, None]
 
         root_scores, _ = self.root(step, roots)

@@ -25,6 +25,7 @@ from engine.speculative.drafter import Drafter
 from engine.speculative.tree import TreeBatch
 from engine.speculative.verify import sampling_rule
 from engine.step import DecodeStep
+from engine.to_device import to_device
 from spec_kernels.cpu_keyed_sample import keyed_sample
 
 # Uniform streams for tokens drafted for rejection sampling, apart from verification's (0 for the
@@ -65,11 +66,11 @@ class ModelDrafter(Drafter):
     # ------------------------------------------------------------------ the draft step
     def draft(self, step: DecodeStep) -> TreeBatch:
         reqs, B, device = step.reqs, len(step.reqs), self.table.device
-        roots = torch.tensor([r.token_ids[-1] for r in reqs], device=device)
+        roots = to_device([r.token_ids[-1] for r in reqs], device)
         rows, prefix = [r.row for r in reqs], [r.kv_len for r in reqs]
-        kv_lens = torch.tensor(prefix, device=device)
+        kv_lens = to_device(prefix, device)
         root_scores, root_state = self.root(step, roots)
-        scratch = step.slots[:, self.num_draft_tokens:].to(device)
+        scratch = to_device(step.slots[:, self.num_draft_tokens:], device)
         k = min(self.topk, root_scores.shape[-1])
         eye = torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)
         seen = torch.zeros((B, k, 0), dtype=torch.bool, device=device)     # frontier's drafted ancestors
@@ -108,8 +109,8 @@ class ModelDrafter(Drafter):
         if all(rule in (None, "tree") for rule in rules):
             return None
         device = self.table.device
-        drew = torch.tensor([rule in ("coupled", "rejection") for rule in rules], device=device)
-        coupled = torch.tensor([rule == "coupled" for rule in rules], device=device)
+        drew = to_device([rule in ("coupled", "rejection") for rule in rules], device)
+        coupled = to_device([rule == "coupled" for rule in rules], device)
 
         def draw(depth: int, scores: torch.Tensor):
             at = torch.full((len(reqs),), depth - 1, dtype=torch.long, device=device)

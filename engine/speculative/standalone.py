@@ -29,6 +29,7 @@ from engine.model_runner import ForwardOutput, ModelRunner, kv_layout, load_mode
 from engine.speculative.model_drafter import ModelDrafter
 from engine.speculative.token_map import HotVocabHead, load_token_map
 from engine.step import DecodeStep, PrefillStep
+from engine.to_device import to_device
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class StandaloneDrafter(ModelDrafter):
                  if p is not None and p[:2] == (r.token_ids[-1], r.kv_len)]
         hidden = [None] * len(reqs)
         if ready:
-            rows = torch.tensor([reqs[b].row for b in ready], device=device)
+            rows = to_device([reqs[b].row for b in ready], device)
             self.kv_pool.copy(rows + self.parking, step.slots[ready, 0].to(device))
             for b in ready:
                 hidden[b] = parked[b][2]
@@ -113,7 +114,7 @@ class StandaloneDrafter(ModelDrafter):
         hidden = self.feed(make_batch(
             self.table, [r.row for r in reqs], [r.kv_len for r in reqs], [t for ts in tokens for t in ts], slots,
             lens, extra_slots=step.slots[:, 0], extra_lens=[1] * len(reqs)), None)
-        last = torch.tensor(lens, device=hidden.device).cumsum(0) - 1
+        last = to_device(lens, hidden.device).cumsum(0) - 1
         for b, (r, h) in enumerate(zip(reqs, hidden[last])):
             self.parked[r.row] = (tokens[b][-1], r.kv_len + lens[b], h)
 

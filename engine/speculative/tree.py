@@ -15,6 +15,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from engine.to_device import to_device
+
 
 @dataclass
 class DraftTree:
@@ -81,7 +83,7 @@ class TreeBatch:
         for b, t in enumerate(trees):
             tokens[b, :len(t)] = torch.tensor(t.tokens)
             parents[b, :len(t)] = torch.tensor(t.parents)
-        return cls(tokens.to(device), parents.to(device), [len(t) for t in trees], all(t.is_chain for t in trees),
+        return cls(to_device(tokens, device), to_device(parents, device), [len(t) for t in trees], all(t.is_chain for t in trees),
                    max(max(t.depths) for t in trees), max(t.max_children for t in trees))
 
     def with_chains(self, chains: Sequence[Sequence[int]]) -> "TreeBatch":
@@ -97,8 +99,8 @@ class TreeBatch:
         tokens = torch.nn.functional.pad(self.tokens, pad)
         parent = torch.nn.functional.pad(self.parents, pad, value=-1)
         device = tokens.device
-        tokens[rows, cols] = torch.tensor([t for c in chains for t in c], dtype=torch.long, device=device)
-        parent[rows, cols] = torch.tensor(parents, dtype=torch.long, device=device)
+        tokens[rows, cols] = to_device([t for c in chains for t in c], device, torch.long)
+        parent[rows, cols] = to_device(parents, device, torch.long)
         chain = self.is_chain and all(n == 1 for n, c in zip(self.sizes, chains) if c)
         return TreeBatch(tokens, parent, sizes, chain, max(self.max_depth, max(map(len, chains))),
                          self.max_children + 1)
@@ -120,7 +122,7 @@ class TreeBatch:
     def valid(self) -> torch.Tensor:
         """[B, N] bool: the node exists."""
         if self._valid is None:
-            sizes = torch.tensor(self.sizes, device=self.tokens.device)
+            sizes = to_device(self.sizes, self.tokens.device)
             self._valid = torch.arange(self.width, device=self.tokens.device)[None, :] < sizes[:, None]
         return self._valid
 

@@ -26,6 +26,7 @@ import torch
 
 from engine.sampling import SamplingBatch, sample_from_probs
 from engine.speculative.tree import TreeBatch
+from engine.to_device import to_device
 from spec_kernels.cpu_argmax import argmax
 
 
@@ -73,7 +74,7 @@ def verify(tree: TreeBatch, logits: torch.Tensor, sb: SamplingBatch, rules: Sequ
 
 def _select(use: Sequence[bool], a: Accepted, b: Accepted) -> Accepted:
     """Per request, a where use[b] else b."""
-    pick = torch.tensor(list(use), device=a.length.device)
+    pick = to_device(list(use), a.length.device)
     width = max(a.index.shape[1], b.index.shape[1])
     return Accepted(torch.where(pick[:, None], _pad(a.index, width), _pad(b.index, width)),
                     torch.where(pick, a.length, b.length), torch.where(pick, a.bonus, b.bonus))
@@ -81,7 +82,7 @@ def _select(use: Sequence[bool], a: Accepted, b: Accepted) -> Accepted:
 
 def _node_rows(tree: TreeBatch) -> torch.Tensor:
     """[B, N] row of each node in the flat logits (clamped for padding, which is never read as valid)."""
-    sizes = torch.tensor(tree.sizes, device=tree.tokens.device)
+    sizes = to_device(tree.sizes, tree.tokens.device)
     starts = sizes.cumsum(0) - sizes
     return (starts[:, None] + torch.arange(tree.width, device=sizes.device)[None, :]).clamp(max=int(sum(tree.sizes)) - 1)
 
@@ -167,7 +168,7 @@ def _rejection(tree: TreeBatch, probs: torch.Tensor, node_row: torch.Tensor, sb:
     u = sb.request_uniforms(depth, 1)
     ok = (q_tok > 0) & (u * q_tok < p_tok) & tree.valid[:, 1:]
     drafted = ok.long().cumprod(1).sum(1)                                         # accepted drafts
-    sizes = torch.tensor(tree.sizes, device=device)
+    sizes = to_device(tree.sizes, device)
     p_last = p[node_row.gather(1, drafted[:, None]).squeeze(1)]
     q_next = q.gather(1, (drafted + 1).clamp(max=N - 1)[:, None, None].expand(-1, 1, q.shape[-1])).squeeze(1)
     residual = torch.where((drafted + 1 < sizes)[:, None], (p_last - q_next).clamp_min(0.0), p_last)
