@@ -15,6 +15,11 @@ latency and time to first token of the served ones. Afterwards: whether the serv
 (no running or queued requests, no KV held; read from /metrics or /get_server_info where the server
 is spec), and whether each recorded greedy output equals the same prompt run alone. Exit status 1 if
 anything failed. Not a test: it measures a running server and prints figures.
+
+`--adversaries K` runs the soak twice, --minutes each: as above, then with K more clients sending the
+worst valid requests in turn (n at --max-n with long outputs, a prompt filling most of the context, a JSON
+schema nested to the grammar depth limit) and ~10 MB bodies (refused: 4xx). Reported for both phases:
+the other clients' time to first token and `/health` latency (polled every 100 ms), and their ratio.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ class Soak:
         self.latency: list[float] = []
         self.ttft: list[float] = []
         self.greedy_seen: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
+        self.health: list[float] = []
 
     def fail(self, cause: str, detail: str) -> None:
         self.failures[cause] += 1
@@ -170,6 +176,62 @@ class Soak:
             self.greedy_seen[(prompt, GREEDY_TOKENS)].add(out["choices"][0]["text"])
 
 
+class Adversary:
+    """The worst requests a client may validly send, and bodies too large to parse cheaply, in turn."""
+
+    KINDS = ("many_choices", "long_prompt", "deep_schema", "big_body")
+
+    def __init__(self, soak: Soak, context_len: int):
+        self.soak, self.args, self.context_len = soak, soak.args, context_len
+
+    async def worker(self, client: httpx.AsyncClient, rng: random.Random, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            kind = rng.choice(self.KINDS)
+            try:
+                r = await getattr(self, kind)(client)
+            except httpx.HTTPError as exc:
+                self.soak.fail(f"adversary {kind}: transport error ({type(exc).__name__})", repr(exc))
+                continue
+            ok = 400 <= r.status_code < 500 if kind == "big_body" else r.status_code == 200
+            if ok:
+                self.soak.outcomes[f"adversary {kind}: {'refused (4xx)' if kind == 'big_body' else 'served'}"] += 1
+            else:
+                self.soak.fail(f"adversary {kind}: HTTP {r.status_code}", r.text)
+
+    def chat(self, content: str, **extra) -> dict:
+        return {"model": self.args.model, "messages": [{"role": "user", "content": content}], **extra}
+
+    async def many_choices(self, client):
+        return await client.post("/v1/chat/completions", json=self.chat(
+            "Write a long story.", n=self.args.max_n, max_tokens=200, temperature=1.0, ignore_eos=True))
+
+    async def long_prompt(self, client):
+        # A word of WORDS is about 1.3 tokens: most of the context, room left for the answer.
+        words = int(self.context_len * 0.6)
+        return await client.post("/v1/completions", json={"model": self.args.model, "max_tokens": 16,
+                                                           "prompt": prompt_text(random.Random(words), words)})
+
+    async def deep_schema(self, client):
+        schema: dict = {"type": "string"}
+        for _ in range(self.args.schema_depth):
+            schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+        return await client.post("/v1/chat/completions", json=self.chat(
+            "Answer in JSON.", max_tokens=16, response_format={
+                "type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}))
+
+    async def big_body(self, client):
+        return await client.post("/v1/completions", json={"model": self.args.model, "max_tokens": 1,
+                                                           "prompt": list(range(1_500_000))})
+
+
+async def probe_health(client: httpx.AsyncClient, soak: Soak, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        start = time.perf_counter()
+        await client.get("/health")
+        soak.health.append(time.perf_counter() - start)
+        await asyncio.sleep(0.1)
+
+
 def _has_text(event: str) -> bool:
     """Whether a chunk carries generated text (a chat stream opens with a chunk holding only the role)."""
     choices = json.loads(event).get("choices") if event.startswith("{") else None
@@ -202,29 +264,21 @@ def pct(values: list[float], q: float) -> str:
         else f"{values[0]:.2f} s"
 
 
-async def main(args) -> int:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.concurrency + 4)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.request_timeout,
-                                 limits=limits) as client:
-        if args.model is None:
-            args.model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        soak = Soak(args)
-        start = time.monotonic()
-        await asyncio.gather(*(soak.worker(client, random.Random(args.seed * 1000 + i), start + args.minutes * 60)
-                               for i in range(args.concurrency)))
-        elapsed = time.monotonic() - start
-        idle = await idle_after(client, 60.0)
-        mismatches = []
-        for (prompt, tokens), seen in sorted(soak.greedy_seen.items()):
-            alone = await client.post("/v1/completions", json=soak.body(False, prompt, tokens, temperature=0.0))
-            text = alone.json()["choices"][0]["text"] if alone.status_code == 200 else f"HTTP {alone.status_code}"
-            if seen != {text}:
-                mismatches.append((prompt, sorted(seen), text))
+async def run_phase(client: httpx.AsyncClient, args, adversaries: int, context_len: int, seed: int) -> tuple[Soak, float]:
+    soak = Soak(args)
+    start = time.monotonic()
+    deadline = start + args.minutes * 60
+    adversary = Adversary(soak, context_len)
+    await asyncio.gather(probe_health(client, soak, deadline),
+                         *(soak.worker(client, random.Random(seed * 1000 + i), deadline) for i in range(args.concurrency)),
+                         *(adversary.worker(client, random.Random(seed * 1000 + 500 + i), deadline)
+                           for i in range(adversaries)))
+    return soak, time.monotonic() - start
 
+
+def report(soak: Soak, elapsed: float, args, title: str) -> int:
     total = sum(soak.outcomes.values()) + sum(soak.failures.values())
-    print(f"{args.base_url} model {args.model}: {args.concurrency} clients for {elapsed:.0f} s, {total} requests "
-          f"({total / elapsed:.1f}/s)")
+    print(f"{title}: {args.concurrency} clients for {elapsed:.0f} s, {total} requests ({total / elapsed:.1f}/s)")
     for outcome, n in soak.outcomes.most_common():
         print(f"  {outcome}: {n}")
     print(f"  failed: {sum(soak.failures.values())}")
@@ -232,18 +286,57 @@ async def main(args) -> int:
         print(f"    {cause}: {n}   e.g. {soak.examples[cause]}")
     print(f"  latency of served requests: p50 {pct(soak.latency, 50)}, p99 {pct(soak.latency, 99)}; "
           f"time to first token (streams): p50 {pct(soak.ttft, 50)}, p99 {pct(soak.ttft, 99)}")
-    print(f"  after the soak: {idle}")
-    distinct = sum(len(s) for s in soak.greedy_seen.values())
-    print(f"  greedy outputs equal to the same prompt alone: {len(soak.greedy_seen) - len(mismatches)} of "
-          f"{len(soak.greedy_seen)} prompts ({distinct} distinct outputs seen)")
-    for prompt, seen, alone in mismatches:
-        print(f"    {prompt!r}: under load {seen}, alone {alone!r}")
+    print(f"  /health: p50 {pct(soak.health, 50)}, p99 {pct(soak.health, 99)}, worst "
+          f"{max(soak.health, default=0):.3f} s ({len(soak.health)} probes)")
+    return sum(soak.failures.values())
+
+
+async def main(args) -> int:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.concurrency + args.adversaries + 8)
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.request_timeout,
+                                 limits=limits) as client:
+        card = (await client.get("/v1/models")).json()["data"][0]
+        args.model = args.model or card["id"]
+        context_len = card.get("max_model_len") or 2048
+        phases = [("without adversaries", 0)] + ([(f"with {args.adversaries} adversaries", args.adversaries)]
+                                                 if args.adversaries else [])
+        results = []
+        for i, (title, k) in enumerate(phases):
+            soak, elapsed = await run_phase(client, args, k, context_len, args.seed + i)
+            results.append((title, soak, elapsed))
+        idle = await idle_after(client, 120.0)
+        seen: dict = collections.defaultdict(set)
+        for _, soak, _ in results:
+            for key, texts in soak.greedy_seen.items():
+                seen[key] |= texts
+        mismatches = []
+        for (prompt, tokens), texts in sorted(seen.items()):
+            alone = await client.post("/v1/completions", json=results[0][1].body(False, prompt, tokens, temperature=0.0))
+            text = alone.json()["choices"][0]["text"] if alone.status_code == 200 else f"HTTP {alone.status_code}"
+            if texts != {text}:
+                mismatches.append((prompt, sorted(texts), text))
+
+    failed = sum(report(soak, elapsed, args, f"{args.base_url} model {args.model}, {title}")
+                 for title, soak, elapsed in results)
+    if len(results) == 2:
+        (_, calm, _), (_, hostile, _) = results
+        ratio = (float(pct(hostile.ttft, 99).split()[0]) / float(pct(calm.ttft, 99).split()[0])
+                 if calm.ttft and hostile.ttft else float("nan"))
+        print(f"time to first token p99 with adversaries / without: {ratio:.2f}x")
+    print(f"after the soak: {idle}")
+    distinct = sum(len(s) for s in seen.values())
+    print(f"greedy outputs equal to the same prompt alone: {len(seen) - len(mismatches)} of {len(seen)} prompts "
+          f"({distinct} distinct outputs seen)")
+    for prompt, texts, alone in mismatches:
+        print(f"    {prompt!r}: under load {texts}, alone {alone!r}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"requests": total, "seconds": elapsed, "outcomes": soak.outcomes, "failures": soak.failures,
-                       "examples": soak.examples, "latency_s": soak.latency, "ttft_s": soak.ttft, "idle": idle,
-                       "greedy_mismatches": mismatches}, f, indent=1)
-    return 1 if soak.failures or mismatches or idle.startswith("NOT") else 0
+            json.dump({title: {"seconds": elapsed, "outcomes": soak.outcomes, "failures": soak.failures,
+                               "examples": soak.examples, "latency_s": soak.latency, "ttft_s": soak.ttft,
+                               "health_s": soak.health} for title, soak, elapsed in results}
+                      | {"idle": idle, "greedy_mismatches": mismatches}, f, indent=1)
+    return 1 if failed or mismatches or idle.startswith("NOT") else 0
 
 
 def parse_args(argv=None):
@@ -259,6 +352,11 @@ def parse_args(argv=None):
     p.add_argument("--ignore-eos", action="store_true",
                    help="send ignore_eos (SGLang, vLLM): outputs run to max_tokens")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--adversaries", type=int, default=0,
+                   help="a second phase with this many clients sending the worst valid requests (see above)")
+    p.add_argument("--max-n", type=int, default=16, help="n of the adversaries' many-choices request (the server's --max-n)")
+    p.add_argument("--schema-depth", type=int, default=60,
+                   help="nesting of the adversaries' JSON schema (spec refuses past 64)")
     p.add_argument("--json", help="also write the figures to this file")
     return p.parse_args(argv)
 

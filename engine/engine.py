@@ -190,10 +190,12 @@ class Engine:
         return self.grammars.compile(*params.constraint, cancelled=cancelled) if params.constraint else None
 
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None, *,
-                     return_logprob: bool = False, top_logprobs_num: int = 0, grammar=None) -> Request:
+                     return_logprob: bool = False, top_logprobs_num: int = 0, grammar=None,
+                     group: Optional[str] = None) -> Request:
         """Validate a tokenized request against this model and build its Request (not yet queued).
         `grammar`: compile_grammar's result, compiled here when not given; top_logprobs_num: alternatives
-        reported per output token, with return_logprob."""
+        reported per output token, with return_logprob; `group`: the client request it belongs to (the
+        scheduler's unit of fair shares), by default its own."""
         if not prompt_ids:
             raise RequestError("The prompt is empty; pass some text or input_ids.")
         vocab = self.model_config.vocab_size
@@ -226,7 +228,7 @@ class Engine:
         return Request(rid or f"req-{next(self._ids)}", list(prompt_ids), params, seed,
                        grammar=None if grammar is None else self.grammars.matcher(grammar),
                        return_logprob=return_logprob, top_logprobs_num=top_logprobs_num if return_logprob else 0,
-                       prediction=self._prediction(params.prediction))
+                       prediction=self._prediction(params.prediction), group=group or "")
 
     def _prediction(self, prediction) -> Optional[Prediction]:
         """A request's Predicted Output as tokens (None without one)."""
@@ -243,11 +245,12 @@ class Engine:
 
     def make_choices(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None,
                      **options: Any) -> list[Request]:
-        """One Request per choice (`params.n`); choice k of a seeded request samples with
-        choice_seed(seed, k), a stream of its own.
+        """One Request per choice (`params.n`), one group unless `options` names it; choice k of a seeded
+        request samples with choice_seed(seed, k), a stream of its own.
         `options`: make_request's keyword arguments."""
         if params.constraint and options.get("grammar") is None:
             options["grammar"] = self.compile_grammar(params)           # once for all choices
+        options.setdefault("group", rid or f"choices-{next(self._ids)}")
         return [self.make_request(prompt_ids, dataclasses.replace(params, seed=None if params.seed is None
                                                                   else choice_seed(params.seed, k)),
                                   rid=None if rid is None else f"{rid}-{k}", **options)

@@ -53,6 +53,8 @@ class Request:
     radix_node: object = None                  # locked radix node holding that prefix
     cached_tokens: int = 0                     # prompt tokens served from the radix cache at admission
     overtaken: int = 0                         # times a later request was admitted while this one waited
+    # The client request it answers (its choices and prompts share one): the unit of fair shares.
+    group: str = ""
 
     # Text state: output text decoded so far (stop strings are checked on it).
     text: str = ""
@@ -87,6 +89,7 @@ class Request:
     def __post_init__(self):
         if self.prompt_len < 0:
             self.prompt_len = len(self.token_ids)
+        self.group = self.group or self.rid
 
     @property
     def prompt_ids(self) -> list[int]:

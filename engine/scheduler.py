@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -81,6 +81,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.prefilling: Optional[Request] = None   # a request part-way through a chunked prefill
+        self._prefilled_last = False
         self.stats = {"retractions": 0, "cached_tokens": 0, "prefill_tokens": 0, "decode_steps": 0}
         # What a decode forward of R rows costs here: sizes Predicted Output chains.
         self.cost = StepCost(_PRIOR_ROW_COST[device])
@@ -152,7 +153,10 @@ class Scheduler:
         if self._in_flight is not None and all(r.finished for r in self._in_flight.step.reqs):
             self.drain()            # built ahead for requests that flight finished: it runs none of them
         if self._in_flight is None:
-            scheduled = self._schedule_prefill()
+            # Running streams decode between any two prefill steps: a burst of prompts or a long one
+            # in pieces delays their next token by one prefill step, never more.
+            scheduled = [] if self._prefilled_last and self.running else self._schedule_prefill()
+            self._prefilled_last = bool(scheduled)
             if scheduled:
                 touched += self._run_prefill(scheduled)
             elif self.running:
@@ -178,33 +182,37 @@ class Scheduler:
 
     # ------------------------------------------------------------------ prefill
     def _schedule_prefill(self) -> list[tuple[Request, int]]:
-        budget = self.prefill_budget
+        """This step's prompt pieces. Waiting prompts that fit the step whole go first, then the next
+        piece of the prompt prefilled in pieces (at least a quarter of the budget, so a stream of
+        short prompts cannot stall it): a short request never waits for a long prompt to finish."""
+        long = self.prefilling
+        if long is not None and self.kv.available() < min(long.seq_len - long.kv_len, self.prefill_budget):
+            if not self.running:
+                self._abort_oom(long)       # it holds all there is and still does not fit
+            return []
+        self._yield_share()
+        floor = 0 if long is None else min(long.seq_len - long.kv_len, self.prefill_budget // 4)
+        budget = self.prefill_budget - floor
         plan: list[tuple[Request, int]] = []
-        if self.prefilling is not None:
-            req = self.prefilling
-            n = min(req.seq_len - req.kv_len, budget)
-            if self.kv.available() < n:
-                if not self.running:
-                    self._abort_oom(req)     # it holds all there is and still does not fit
-                return []
-            plan.append((req, n))
-            budget -= n
-            if req.kv_len + n < req.seq_len:
-                return plan
-            self.prefilling = None
-        admitted = list(self.running)
-        for req in self._waiting_in_order():
+        admitted = self.running + ([long] if long else [])
+        held = Counter(r.group for r in admitted)
+        share = self._share()
+        for req in self._waiting_in_order(held):
             if budget <= 0 or len(admitted) >= self.max_running or self.kv.rows_available() == 0:
                 break
+            if held[req.group] >= share:
+                continue                    # its client request has its share while others wait
             prefix, node = self.kv.match(req)
-            self.kv.lock(node)
             extend = req.seq_len - len(prefix)
             n = min(extend, budget)
+            if n < extend and long is not None:
+                break                       # one prompt goes in pieces at a time: this one is next
             if n < extend and not self.chunking:
-                n = extend                                   # no chunking: the whole prompt or nothing
+                n = extend                  # no chunking: the whole prompt or nothing
+            self.kv.lock(node)
             # With nothing else running, admit without a reserve, so that work always progresses.
-            need = n + self._reserve(admitted + [req]) if (plan or self.running) else n
-            if self.kv.available() < need + sum(k for _, k in plan):
+            need = n + self._reserve(admitted + [req]) if (plan or self.running or long) else n
+            if self.kv.available() < need + sum(k for _, k in plan) + floor:
                 self.kv.unlock(node)
                 break
             self.waiting.remove(req)
@@ -215,22 +223,50 @@ class Scheduler:
             req.status = Status.RUNNING
             plan.append((req, n))
             admitted.append(req)
+            held[req.group] += 1
             budget -= n
             if n < extend:
                 self.prefilling = req
                 break
-        latest = max((r.arrival for r, _ in plan), default=None)
+        if long is not None:
+            n = min(long.seq_len - long.kv_len, floor + budget)
+            plan.insert(0, (long, n))
+            if long.kv_len + n == long.seq_len:
+                self.prefilling = None
+        latest = max((r.arrival for r, _ in plan if r is not long), default=None)
         for req in self.waiting:
             req.overtaken += latest is not None and req.arrival < latest
         return plan
 
-    def _waiting_in_order(self) -> list[Request]:
+    def _share(self) -> int:
+        """Most running sequences one client request may hold while another waits: an equal part of
+        --max-running-requests among the client requests running or waiting."""
+        groups = {r.group for r in self.running} | {r.group for r in self.waiting}
+        if self.prefilling is not None:
+            groups.add(self.prefilling.group)
+        return max(1, self.max_running // max(1, len(groups)))
+
+    def _yield_share(self) -> None:
+        """With every running place taken and a client request waiting that holds none, take one back
+        from the request holding most, when that is more than its share: the newcomer's wait is one
+        step, not however long the other's choices run."""
+        if len(self.running) < self.max_running or not self.waiting:
+            return
+        held = Counter(r.group for r in self.running)
+        if all(held[r.group] for r in self.waiting):
+            return
+        group, count = held.most_common(1)[0]
+        if count > self._share():
+            self._retract(self._victim([r for r in self.running if r.group == group]))
+
+    def _waiting_in_order(self, held: Counter) -> list[Request]:
+        """Client requests holding fewest running places first; among equals, with the longest-prefix
+        policy: overtaken too often first, then longest cached prefix; else arrival order."""
         reqs = list(self.waiting)
         if self.kv.radix and self.args.schedule_policy == "lpm" and len(reqs) > 1:
-            # Overtaken too often first, then longest cached prefix; stable, so arrival order breaks
-            # ties. Matching refreshes LRU times, which is fine: these prefixes are about to be used.
+            # Matching refreshes LRU times, which is fine: these prefixes are about to be used.
             reqs.sort(key=lambda r: (r.overtaken < _MAX_OVERTAKEN, -len(self.kv.match(r)[0])))
-        return reqs
+        return sorted(reqs, key=lambda r: held[r.group])      # stable: the order above breaks ties
 
     def _run_prefill(self, plan: list[tuple[Request, int]]) -> list[Request]:
         return self._run(plan, self._prefill_step, self._apply_prefill)
@@ -456,9 +492,9 @@ class Scheduler:
         if result.captured is not None:
             req.captured.append(result.captured[i])
 
-    def _victim(self) -> Request:
+    def _victim(self, among: Optional[Sequence[Request]] = None) -> Request:
         # The request that has generated least loses least work (SGLang's choice too).
-        return min(self.running, key=lambda r: (r.num_output, -r.prompt_len))
+        return min(among or self.running, key=lambda r: (r.num_output, -r.prompt_len))
 
     def _retract(self, req: Request) -> None:
         if req is self.prefilling:

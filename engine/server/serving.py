@@ -119,7 +119,7 @@ class Serving:
                 grammar = await self._compile(params, http) if params.constraint else None
             except RequestError as exc:
                 raise _renamed(exc, names) from None
-            reqs += self.engine.make_choices(ids, params, rid=f"{base}-{i}", grammar=grammar, **options)
+            reqs += self.engine.make_choices(ids, params, rid=f"{base}-{i}", grammar=grammar, group=base, **options)
         return reqs
 
     async def _compile(self, params: SamplingParams, http: Optional[HTTPRequest]):

@@ -1,0 +1,117 @@
+"""Fair shares of the engine (engine/scheduler.py), observed step by step, never by time: running
+streams decode between any two prefill steps, a short prompt is not held behind a long one prefilled
+in pieces (nor can short prompts stall the long one), and one client request's choices cannot hold
+every running place while another waits. Outputs stay those of each request run alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import Engine
+from engine.sampling_params import SamplingParams
+from tests.tiny import make_model, random_prompts
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("target"), "llama", seed=5)
+
+
+def engine(target, **kw) -> Engine:
+    return Engine(model_path=str(target), dtype="float32", max_total_tokens=4096, **kw)
+
+
+def params(n_tokens: int, n: int = 1) -> SamplingParams:
+    return SamplingParams.from_dict({**GREEDY, "max_new_tokens": n_tokens, "n": n})
+
+
+def alone(target, prompt: list[int], n_tokens: int) -> list[int]:
+    return engine(target).generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": n_tokens})["output_ids"]
+
+
+def run_until(eng: Engine, done, limit: int = 400) -> int:
+    """Steps taken until done() holds."""
+    for steps in range(1, limit + 1):
+        eng.step()
+        if done():
+            return steps
+    raise AssertionError(f"not done after {limit} steps")
+
+
+def test_streams_decode_between_prefill_steps(target):
+    eng = engine(target, chunked_prefill_size=8)
+    stream = eng.make_request(random_prompts(1, seed=1)[0], params(200))
+    eng.add_request(stream)
+    run_until(eng, lambda: stream.num_output > 0)
+    long = eng.make_request(random_prompts(1, seed=2, lo=96, hi=97)[0], params(4))
+    eng.add_request(long)
+    prefilled, outputs, gaps = long.kv_len, stream.num_output, []
+    while long.num_output == 0:
+        eng.step()
+        if long.kv_len > prefilled:                 # a prefill step (or one piece of it) ran
+            gaps.append(stream.num_output - outputs)
+            prefilled, outputs = long.kv_len, stream.num_output
+    assert len(gaps) >= 12, "the long prompt went in pieces"
+    assert all(g > 0 for g in gaps[1:]), f"the stream got no token between two prefill steps: {gaps}"
+    eng.abort_all()
+
+
+def test_a_short_prompt_is_not_held_behind_a_long_one(target):
+    eng = engine(target, chunked_prefill_size=8)
+    long_prompt, short_prompt = random_prompts(1, seed=3, lo=120, hi=121)[0], random_prompts(1, seed=4, lo=5, hi=6)[0]
+    long = eng.make_request(long_prompt, params(6))
+    eng.add_request(long)
+    eng.step()
+    short = eng.make_request(short_prompt, params(6))
+    eng.add_request(short)
+    run_until(eng, lambda: short.num_output > 0)
+    assert long.kv_len < long.prompt_len, "the short prompt waited for the whole long one"
+    run_until(eng, lambda: not eng.has_work)
+    assert long.output_ids == alone(target, long_prompt, 6) and short.output_ids == alone(target, short_prompt, 6)
+
+
+def test_short_prompts_cannot_stall_a_long_one(target):
+    """A new short prompt every step: the long prompt still gets a quarter of every prefill step."""
+    eng = engine(target, chunked_prefill_size=8, max_running_requests=64)
+    long = eng.make_request(random_prompts(1, seed=5, lo=64, hi=65)[0], params(2))
+    eng.add_request(long)
+    newcomers = iter(random_prompts(200, seed=6, lo=6, hi=7))
+    steps = 0
+    while long.num_output == 0:
+        eng.add_request(eng.make_request(next(newcomers), params(1)))
+        eng.step()
+        steps += 1
+    # 64 tokens at >= 2 a prefill step, with a decode step between prefill steps.
+    assert steps <= 2 * 64 // 2 + 2, steps
+    eng.abort_all()
+
+
+def test_one_client_request_cannot_hold_every_running_place(target):
+    eng = engine(target, max_running_requests=4)
+    prompt, other = random_prompts(2, seed=7)
+    choices = eng.make_choices(prompt, params(120, n=4))
+    for r in choices:
+        eng.add_request(r)
+    run_until(eng, lambda: all(r.num_output > 0 for r in choices))
+    late = eng.make_request(other, params(8))
+    eng.add_request(late)
+    steps = run_until(eng, lambda: late.num_output > 0)
+    assert steps <= 4 and not any(r.finished for r in choices), "the newcomer waited for the choices to end"
+    run_until(eng, lambda: not eng.has_work)
+    expected = alone(target, prompt, 120)
+    assert all(r.output_ids == expected for r in choices) and late.output_ids == alone(target, other, 8)
+    assert eng.stats()["retractions"] >= 1 and eng.stats()["kv_tokens_used"] == 0
+
+
+def test_client_requests_arriving_together_share_the_places(target):
+    eng = engine(target, max_running_requests=4)
+    a, b = random_prompts(2, seed=8)
+    first, second = eng.make_choices(a, params(16, n=4)), eng.make_choices(b, params(16, n=4))
+    for r in first + second:
+        eng.add_request(r)
+    run_until(eng, lambda: any(r.num_output > 0 for r in first + second))
+    assert sum(r.num_output > 0 for r in first) == sum(r.num_output > 0 for r in second) == 2
+    run_until(eng, lambda: not eng.has_work)
+    assert all(len(r.output_ids) == 16 for r in first + second)
