@@ -355,8 +355,9 @@ def parse_args(argv=None):
     p.add_argument("--adversaries", type=int, default=0,
                    help="a second phase with this many clients sending the worst valid requests (see above)")
     p.add_argument("--max-n", type=int, default=16, help="n of the adversaries' many-choices request (the server's --max-n)")
-    p.add_argument("--schema-depth", type=int, default=60,
-                   help="nesting of the adversaries' JSON schema (spec refuses past 64)")
+    p.add_argument("--schema-depth", type=int, default=31,
+                   help="objects nested in the adversaries' JSON schema (two JSON levels each, plus one: "
+                        "spec refuses past 64 levels)")
     p.add_argument("--json", help="also write the figures to this file")
     return p.parse_args(argv)
 

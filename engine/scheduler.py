@@ -52,6 +52,8 @@ _RESERVE_TOKENS = 8
 # Under the lpm policy a waiting request that later arrivals have overtaken this often goes first: a
 # request sharing no cached prefix cannot be starved by a stream of ones that do.
 _MAX_OVERTAKEN = 16
+# Prompts prefilled in pieces at the same time: a shorter long prompt need not wait for a longer one.
+_MAX_PARTIAL = 4
 # A further row's share of a one-row decode step before step times are measured: on a CPU the weight
 # kernels are compute-bound past one row; on a GPU rows are nearly free until the batch is large.
 _PRIOR_ROW_COST = {"cpu": 0.12, "cuda": 0.01}
@@ -80,7 +82,7 @@ class Scheduler:
         self.max_running = max_running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.prefilling: Optional[Request] = None   # a request part-way through a chunked prefill
+        self.prefilling: list[Request] = []         # requests part-way through a chunked prefill, oldest first
         self._prefilled_last = False
         self.stats = {"retractions": 0, "cached_tokens": 0, "prefill_tokens": 0, "decode_steps": 0}
         # What a decode forward of R rows costs here: sizes Predicted Output chains.
@@ -126,7 +128,7 @@ class Scheduler:
     def requests(self) -> list[Request]:
         """Every request not finished: waiting, running, or in a step in flight (a prefill's, whose
         requests join `running` when it is applied)."""
-        held = list(self.waiting) + self.running + ([self.prefilling] if self.prefilling else [])
+        held = list(self.waiting) + self.running + self.prefilling
         in_flight = self._in_flight.step.reqs if self._in_flight is not None else []
         ids = {id(r) for r in held}
         return held + [r for r in in_flight if not r.finished and id(r) not in ids]
@@ -182,19 +184,24 @@ class Scheduler:
 
     # ------------------------------------------------------------------ prefill
     def _schedule_prefill(self) -> list[tuple[Request, int]]:
-        """This step's prompt pieces. Waiting prompts that fit the step whole go first, then the next
-        piece of the prompt prefilled in pieces (at least a quarter of the budget, so a stream of
-        short prompts cannot stall it): a short request never waits for a long prompt to finish."""
-        long = self.prefilling
-        if long is not None and self.kv.available() < min(long.seq_len - long.kv_len, self.prefill_budget):
-            if not self.running:
-                self._abort_oom(long)       # it holds all there is and still does not fit
-            return []
+        """This step's prompt pieces: waiting prompts first, whole where they fit, else as one more
+        prompt prefilled in pieces (at most _MAX_PARTIAL at a time); then the next pieces of those
+        prompts, shortest remaining first. The oldest of them keeps a quarter of every step, so that
+        shorter prompts cannot stall it. A short prompt never waits for a long one to finish."""
+        partial = self.prefilling
+        if partial and self.kv.available() < min(_remaining(partial[0]), self.prefill_budget):
+            if self.running:
+                return []                   # decode steps free KV (by finishing or retracting)
+            if len(partial) == 1:
+                self._abort_oom(partial[0])     # it holds all there is and still does not fit
+                return []
+            self._retract(partial[-1])
         self._yield_share()
-        floor = 0 if long is None else min(long.seq_len - long.kv_len, self.prefill_budget // 4)
+        oldest = partial[0] if partial else None
+        floor = min(_remaining(oldest), self.prefill_budget // 4) if oldest else 0
         budget = self.prefill_budget - floor
         plan: list[tuple[Request, int]] = []
-        admitted = self.running + ([long] if long else [])
+        admitted = self.running + partial
         held = Counter(r.group for r in admitted)
         share = self._share()
         for req in self._waiting_in_order(held):
@@ -205,13 +212,13 @@ class Scheduler:
             prefix, node = self.kv.match(req)
             extend = req.seq_len - len(prefix)
             n = min(extend, budget)
-            if n < extend and long is not None:
-                break                       # one prompt goes in pieces at a time: this one is next
             if n < extend and not self.chunking:
                 n = extend                  # no chunking: the whole prompt or nothing
+            if n < extend and len(partial) >= _MAX_PARTIAL:
+                continue                    # it goes in pieces: after one of those going now
             self.kv.lock(node)
             # With nothing else running, admit without a reserve, so that work always progresses.
-            need = n + self._reserve(admitted + [req]) if (plan or self.running or long) else n
+            need = n + self._reserve(admitted + [req]) if (plan or self.running or partial) else n
             if self.kv.available() < need + sum(k for _, k in plan) + floor:
                 self.kv.unlock(node)
                 break
@@ -226,33 +233,36 @@ class Scheduler:
             held[req.group] += 1
             budget -= n
             if n < extend:
-                self.prefilling = req
-                break
-        if long is not None:
-            n = min(long.seq_len - long.kv_len, floor + budget)
-            plan.insert(0, (long, n))
-            if long.kv_len + n == long.seq_len:
-                self.prefilling = None
-        latest = max((r.arrival for r, _ in plan if r is not long), default=None)
+                partial.append(req)
+        latest = max((r.arrival for r, _ in plan), default=None)
         for req in self.waiting:
             req.overtaken += latest is not None and req.arrival < latest
+        started = {id(r) for r, _ in plan}
+        for req in sorted(partial, key=_remaining):
+            if id(req) in started:
+                continue
+            room = self.kv.available() - sum(k for _, k in plan)
+            n = min(_remaining(req), budget + (floor if req is oldest else 0), room)
+            if n > 0:
+                plan.append((req, n))
+                budget -= n - (floor if req is oldest else 0)
+        fed = {id(r): n for r, n in plan}
+        self.prefilling = [r for r in partial if r.kv_len + fed.get(id(r), 0) < r.seq_len]
         return plan
 
     def _share(self) -> int:
         """Most running sequences one client request may hold while another waits: an equal part of
         --max-running-requests among the client requests running or waiting."""
-        groups = {r.group for r in self.running} | {r.group for r in self.waiting}
-        if self.prefilling is not None:
-            groups.add(self.prefilling.group)
+        groups = {r.group for r in self.running + self.prefilling} | {r.group for r in self.waiting}
         return max(1, self.max_running // max(1, len(groups)))
 
     def _yield_share(self) -> None:
         """With every running place taken and a client request waiting that holds none, take one back
         from the request holding most, when that is more than its share: the newcomer's wait is one
         step, not however long the other's choices run."""
-        if len(self.running) < self.max_running or not self.waiting:
+        if len(self.running) + len(self.prefilling) < self.max_running or not self.waiting:
             return
-        held = Counter(r.group for r in self.running)
+        held = Counter(r.group for r in self.running + self.prefilling)
         if all(held[r.group] for r in self.waiting):
             return
         group, count = held.most_common(1)[0]
@@ -296,8 +306,8 @@ class Scheduler:
             self.kv.budget.retracting(len(self.running), per_req, self.kv.available(),
                                       [self._full_length(r) for r in wanting])
         while self.kv.available() < per_req * len(self.running):
-            if self.prefilling is not None:
-                self._retract(self.prefilling)          # a half-prefilled prompt loses least
+            if self.prefilling:
+                self._retract(self.prefilling[-1])      # a half-prefilled prompt loses least
             elif len(self.running) == 1:
                 self._abort_oom(self.running[0])
                 return []
@@ -362,7 +372,7 @@ class Scheduler:
         is short (only free slots are taken, so that nothing is evicted or retracted earlier than without
         building ahead)."""
         reqs = self.running
-        if not (isinstance(flight.step, DecodeStep) and reqs and not self.waiting and self.prefilling is None
+        if not (isinstance(flight.step, DecodeStep) and reqs and not self.waiting and not self.prefilling
                 and [r for r in flight.step.reqs if not r.finished] == reqs and not self.worker.capture
                 and all(r.grammar is None and not r.params.stop and r.prediction is None for r in reqs)
                 and not any(drafter for _, drafter in self._release_later)
@@ -497,8 +507,8 @@ class Scheduler:
         return min(among or self.running, key=lambda r: (r.num_output, -r.prompt_len))
 
     def _retract(self, req: Request) -> None:
-        if req is self.prefilling:
-            self.prefilling = None
+        if req in self.prefilling:
+            self.prefilling.remove(req)
         else:
             self.running.remove(req)
         self._release_kv(req)
@@ -565,8 +575,8 @@ class Scheduler:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
-        if self.prefilling is req:
-            self.prefilling = None
+        if req in self.prefilling:
+            self.prefilling.remove(req)
         self._release_kv(req, drafter)
         try:
             req.text += req.detok.catch_up(req.token_ids)
@@ -590,6 +600,11 @@ class Scheduler:
                 except Exception as exc:
                     log.exception("request %s failed after its step; ending it", req.rid)
                     self._fail(req, exc)
+
+
+def _remaining(req: Request) -> int:
+    """Prompt tokens (or tokens to recompute after a retraction) still to prefill."""
+    return req.seq_len - req.kv_len
 
 
 def _request(item) -> Request:

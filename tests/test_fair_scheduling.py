@@ -67,9 +67,24 @@ def test_a_short_prompt_is_not_held_behind_a_long_one(target):
     short = eng.make_request(short_prompt, params(6))
     eng.add_request(short)
     run_until(eng, lambda: short.num_output > 0)
-    assert long.kv_len < long.prompt_len, "the short prompt waited for the whole long one"
+    assert long.num_output == 0, "the short prompt waited for the whole long one"
     run_until(eng, lambda: not eng.has_work)
     assert long.output_ids == alone(target, long_prompt, 6) and short.output_ids == alone(target, short_prompt, 6)
+
+
+def test_a_shorter_prompt_in_pieces_does_not_wait_for_a_longer_one(target):
+    """Both need several prefill steps: the shorter one's pieces go first, beside the longer one's."""
+    eng = engine(target, chunked_prefill_size=8)
+    longer_prompt, shorter_prompt = (random_prompts(1, seed=seed, lo=n, hi=n + 1)[0] for seed, n in ((9, 160), (10, 30)))
+    longer = eng.make_request(longer_prompt, params(4))
+    eng.add_request(longer)
+    eng.step()
+    shorter = eng.make_request(shorter_prompt, params(4))
+    eng.add_request(shorter)
+    run_until(eng, lambda: shorter.num_output > 0)
+    assert longer.num_output == 0, "the shorter prompt waited for the whole longer one"
+    run_until(eng, lambda: not eng.has_work)
+    assert longer.output_ids == alone(target, longer_prompt, 4) and shorter.output_ids == alone(target, shorter_prompt, 4)
 
 
 def test_short_prompts_cannot_stall_a_long_one(target):
