@@ -12,6 +12,30 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024             # entries: OpenAI's own limit is 300
+
+
+@dataclass(frozen=True)
+class Range:
+    lo: float
+    hi: float
+    integer: bool = False
+    open_lo: bool = False             # lo itself excluded
+
+    def bounds(self) -> dict:
+        """pydantic Field arguments saying the same (the HTTP API's schema shows them)."""
+        return {"gt" if self.open_lo else "ge": self.lo, "le": self.hi}
+
+
+# Every number's range: one table for validate() and the HTTP API's schema (engine/server/protocol.py).
+RANGES = {
+    "max_new_tokens": Range(0, INT_MAX, True), "min_new_tokens": Range(0, INT_MAX, True),
+    "temperature": Range(0.0, 100.0), "top_p": Range(0.0, 1.0, open_lo=True),
+    "top_k": Range(-1, INT_MAX, True),            # -1 or 0: off; at or above the vocabulary size: off too
+    "min_p": Range(0.0, 1.0), "frequency_penalty": Range(-2.0, 2.0), "presence_penalty": Range(-2.0, 2.0),
+    "repetition_penalty": Range(0.0, 10.0, open_lo=True), "n": Range(1, INT_MAX, True),
+    "seed": Range(-2 ** 63, 2 ** 63 - 1, True),
+}
+LOGIT_BIAS = Range(-100.0, 100.0)
 # Grammar constraints (SGLang's names), at most one per request; compiled by engine/grammar.py.
 CONSTRAINTS = ("json_schema", "regex", "ebnf", "structural_tag")
 
@@ -79,26 +103,16 @@ class SamplingParams:
     def validate(self) -> None:
         """Types are checked strictly (a string is not a number, a bool is not an integer) and every
         number against its range, so nothing malformed reaches the engine loop."""
-        def number(name: str, lo: float, hi: float, kind=(int, float), *, open_lo: bool = False) -> None:
+        for name, r in RANGES.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, kind):
-                raise RequestError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}.",
+            if name == "seed" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int if r.integer else (int, float)):
+                raise RequestError(f"{name} must be {'an integer' if r.integer else 'a number'}, got {value!r}.",
                                    name)
-            if not (lo < value if open_lo else lo <= value) or not value <= hi:
-                raise RequestError(f"{name} must be in {'(' if open_lo else '['}{lo}, {hi}], got {value!r}.", name)
-
-        number("max_new_tokens", 0, INT_MAX, int)
-        number("min_new_tokens", 0, INT_MAX, int)
-        number("temperature", 0.0, 100.0)
-        number("top_p", 0.0, 1.0, open_lo=True)
-        number("top_k", -1, INT_MAX, int)     # -1 or 0: off; at or above the vocabulary size: off too
-        number("min_p", 0.0, 1.0)
-        number("frequency_penalty", -2.0, 2.0)
-        number("presence_penalty", -2.0, 2.0)
-        number("repetition_penalty", 0.0, 10.0, open_lo=True)
-        number("n", 1, INT_MAX, int)
-        if self.seed is not None:
-            number("seed", -2 ** 63, 2 ** 63 - 1, int)
+            if not (r.lo < value if r.open_lo else r.lo <= value) or not value <= r.hi:
+                raise RequestError(f"{name} must be in {'(' if r.open_lo else '['}{r.lo}, {r.hi}], got {value!r}.",
+                                   name)
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}.", name)
@@ -141,9 +155,9 @@ class SamplingParams:
         for key, value in bias.items():
             if not (isinstance(key, str) and key.isdigit() and key == str(int(key)) and int(key) <= INT_MAX):
                 raise RequestError(f"logit_bias keys must be token ids written as strings, got {key!r}.", "logit_bias")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-                raise RequestError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for {key}.",
-                                   "logit_bias")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not LOGIT_BIAS.lo <= value <= LOGIT_BIAS.hi:
+                raise RequestError(f"logit_bias values must be numbers in [{LOGIT_BIAS.lo:g}, {LOGIT_BIAS.hi:g}], got "
+                                   f"{value!r} for {key}.", "logit_bias")
 
     def _validate_constraint(self) -> None:
         given = [name for name in CONSTRAINTS if getattr(self, name) is not None]

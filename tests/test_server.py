@@ -399,10 +399,10 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]}, 400,
      "tools.0.function.name"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format.json_schema"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "nonsense"}}}}, 400, "response_format"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}, "regex": "a"}, 400,
      "response_format"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}, "ignore_eos": True}, 400,
@@ -411,7 +411,7 @@ BAD = [
      "min_tokens"),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"99999": 1}}, 400, "logit_bias"),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 200}}, 400, "logit_bias"),
-    ("/v1/chat/completions", {**CHAT, "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"a": 1}}, 400, "logit_bias.a"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 2, "echo": True}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "regex": "("}, 400, "regex"),
@@ -423,8 +423,11 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages.0.content"),
-    ("/v1/completions", {"prompt": ""}, 400, None),
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages.0.content.0"),
+    ("/v1/chat/completions", {**CHAT, "continue_final_message": 0}, 400, "continue_final_message"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "best_of": True}, 400, "best_of"),
+    ("/generate", {"input_ids": []}, 400, "input_ids"),
     ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, None),
     ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "hi", "seed": "x"}, 400, "seed"),
@@ -474,7 +477,7 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "prediction": "text"}, 400, "prediction"),
     ("/v1/chat/completions", {**CHAT, "prediction": {"type": "text", "content": "x"}}, 400, "prediction.type"),
     ("/v1/chat/completions", {**CHAT, "prediction": {"type": "content", "content": [{"type": "image_url"}]}}, 400,
-     "prediction.content"),
+     "prediction.content.0"),
     ("/v1/chat/completions", {**CHAT, "prediction": {"type": "content", "content": "\ud800"}}, 400,
      "prediction.content"),
     ("/v1/completions", {"prompt": "hi", "prediction": {"type": "content", "content": "x " * 70000}}, 400, "prediction"),
@@ -492,7 +495,8 @@ BAD = [
         "type": "object", "properties": {"a": {"type": "string", "description": "\ud800"}}}}}]}, 400,
      "tools.0.function.parameters"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]}, 400, "messages.0.content.0"),
+        {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]}, 400,
+     "messages.0.content.0.cache_control"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi"}] * 2049}, 400, "messages"),
     ("/v1/completions", {"prompt": ["hi"] * 2049}, 400, "prompt"),
     ("/v1/chat/completions", {**CHAT, "n": 17, "max_tokens": 1}, 400, "n"),      # --max-n (16), not the queue (64)
@@ -780,6 +784,49 @@ def test_openapi_offers_only_the_values_served(small):
     assert values(schemas["ChatCompletionRequest"]["properties"]["continue_final_message"]) == {False}
     assert values(schemas["ChatCompletionRequest"]["properties"]["store"]) == {False, None}
     assert values(schemas["GenerateRequest"]["properties"]["return_entropy"]) == {False}
+    # The limits set at start-up: --max-n (within the queue), the context length, the vocabulary.
+    chat, completion = schemas["ChatCompletionRequest"]["properties"], schemas["CompletionRequest"]["properties"]
+    assert chat["n"]["maximum"] == min(small.serving.args.max_n, small.serving.args.max_queued_requests)
+    assert {o.get("maximum") for o in completion["max_tokens"]["anyOf"]} == {small.serving.context_len, None}
+    ids = next(o for o in completion["prompt"]["anyOf"] if o.get("items", {}).get("type") == "integer")
+    assert ids["items"]["maximum"] == small.serving.engine.model_config.vocab_size - 1
+
+
+def test_max_tokens_past_what_the_prompt_leaves_ends_with_length(small):
+    """Within the context length, max_tokens is an upper bound: the answer stops where the context ends."""
+    context = small.serving.context_len
+    prompt = list(range(3, context - 2))
+    with small.http() as c:
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": context, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        assert r.json()["usage"]["completion_tokens"] == context - len(prompt)
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": context + 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("route, schema, body", [
+    ("/v1/chat/completions", "ChatCompletionRequest", {**CHAT, "continue_final_message": 0}),
+    ("/v1/chat/completions", "ChatCompletionRequest", {**CHAT, "top_logprobs": 5}),
+    ("/v1/chat/completions", "ChatCompletionRequest", {**CHAT, "response_format": {"type": "json_schema"}}),
+    ("/v1/chat/completions", "ChatCompletionRequest", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}),
+    ("/v1/completions", "CompletionRequest", {"prompt": ""}),
+    ("/v1/completions", "CompletionRequest", {"prompt": [[]]}),
+    ("/v1/completions", "CompletionRequest", {"prompt": "hi", "best_of": True}),
+    ("/v1/completions", "CompletionRequest", {"prompt": "hi", "echo": True, "logprobs": 0}),
+    ("/generate", "GenerateRequest", {"input_ids": []}),
+    ("/generate", "GenerateRequest", {"text": "hi", "input_ids": [1]}),
+    ("/generate", "GenerateRequest", {"sampling_params": {}}),
+])
+def test_the_schema_refuses_what_the_server_refuses(small, route, schema, body):
+    """openapi.json and the validators agree: a body the server answers 400 is one the schema rejects."""
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")        # schemathesis's
+    with small.http() as c:
+        spec = c.get("/openapi.json").json()
+        assert c.post(route, json=body).status_code == 400
+    validator = jsonschema_rs.Draft202012Validator({"$ref": f"#/components/schemas/{schema}", **spec})
+    assert not validator.is_valid(body)
 
 
 def test_schemathesis_finds_no_5xx(small):

@@ -17,7 +17,7 @@ from engine.config import ServerArgs
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from engine.server import logprobs as lp_format
-from engine.server import openai_api
+from engine.server import openai_api, tool_calls
 from engine.server.errors import APIError, error_response, error_responses, install_error_handlers
 from engine.server.limits import BodyLimit, JSONBodyRoute
 from engine.server.protocol import GenerateRequest
@@ -51,17 +51,18 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, key=serving.api_key)
     app.include_router(openai_api.router)
     app.include_router(_router(serving))
-    app.openapi = lambda: app.openapi_schema or _openapi(app, bool(serving.api_key))
+    app.openapi = lambda: app.openapi_schema or _openapi(app, serving)
     return app
 
 
-def _openapi(app: FastAPI, with_key: bool) -> dict:
-    """FastAPI's schema with the statuses this server sends: FastAPI lists 422 for invalid requests,
-    which get 400 here; every route may answer 413 and 500, and 401 without the key."""
+def _openapi(app: FastAPI, serving: Serving) -> dict:
+    """FastAPI's schema with the statuses this server sends (FastAPI lists 422 for invalid requests,
+    which get 400 here; every route may answer 413 and 500, and 401 without the key) and the limits
+    it sets at start-up."""
     from fastapi.openapi.utils import get_openapi
 
     schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
-    common = error_responses(413, 500) | (error_responses(401) if with_key else {})
+    common = error_responses(413, 500) | (error_responses(401) if serving.api_key else {})
     for path, operations in schema["paths"].items():
         for op in operations.values():
             responses = op["responses"]
@@ -72,8 +73,42 @@ def _openapi(app: FastAPI, with_key: bool) -> dict:
                         "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}})
     for unused in ("HTTPValidationError", "ValidationError"):
         schema["components"]["schemas"].pop(unused, None)
+    _served_limits(schema["components"]["schemas"], serving)
     app.openapi_schema = schema
     return schema
+
+
+def _served_limits(schemas: dict, serving: Serving) -> None:
+    """What the request models cannot know: --max-n, the context length, the vocabulary, and whether
+    the chat template takes tools."""
+    context, vocab = serving.context_len, serving.engine.model_config.vocab_size
+
+    def cap_integers(node, maximum: int) -> None:
+        for option in node.get("anyOf", [node]):
+            if option.get("type") == "integer":
+                option["maximum"] = min(option.get("maximum", maximum), maximum)
+
+    def cap_token_ids(node) -> None:
+        for option in node.get("anyOf", [node]):
+            items = option.get("items", {})
+            if option.get("type") == "array" and items.get("type") == "integer":
+                option["maxItems"] = context - 1
+                items["maximum"] = vocab - 1
+            elif option.get("type") == "array":
+                cap_token_ids(items)
+
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        props = schemas[name]["properties"]
+        cap_integers(props["n"], min(serving.args.max_n, serving.args.max_queued_requests))
+        for key in ("max_tokens", "max_completion_tokens"):
+            if key in props:
+                cap_integers(props[key], context)
+    cap_token_ids(schemas["CompletionRequest"]["properties"]["prompt"])
+    cap_token_ids(schemas["GenerateRequest"]["properties"]["input_ids"])
+    if not tool_calls.template_speaks_tools(getattr(serving.tokenizer.hf, "chat_template", None)):
+        props = schemas["ChatCompletionRequest"]["properties"]
+        props["tools"] = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
+        props["tool_choice"] = {"anyOf": [{"type": "null"}, {"const": "none"}]}
 
 
 def _router(serving: Serving) -> APIRouter:

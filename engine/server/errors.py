@@ -74,8 +74,11 @@ def error_response(status: int, message: str, *, param: Optional[str] = None, co
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str], str]:
     """The most telling pydantic error as (message, param, code), phrased for an API user."""
     errors = exc.errors()
-    # Our own checks (text encodability) say more than a union's "Input should be a valid list".
-    err = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    # Our own checks (text encodability) say most; then a union member's complaint about a value (too
+    # long, an unknown key) over another member's "Input should be a valid list"; then the error found
+    # deepest into the body.
+    err = next((e for e in errors if e.get("type") == "value_error"), None) or max(
+        errors, key=lambda e: (not str(e.get("type", "")).endswith("_type"), len(e.get("loc", ()))))
     # A union member's tag ("list[int]", "function-after[...]") is no parameter name: leave it out.
     loc = [str(x) for x in err.get("loc", ()) if isinstance(x, int) or (x != "body" and _FIELD.fullmatch(x)
                                                                        and x not in _TYPE_TAGS)]

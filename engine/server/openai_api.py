@@ -87,8 +87,6 @@ def _constraint(body: ChatCompletionRequest, tools: Optional[list], compact: boo
                        param="response_format")
     if fmt.type == "json_object":
         return {"json_schema": ANY_OBJECT}
-    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise APIError(400, "response_format of type json_schema needs json_schema.schema.", param="response_format")
     return {"json_schema": json.dumps(fmt.json_schema.schema_)}
 
 

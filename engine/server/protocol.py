@@ -13,11 +13,12 @@ can take.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from engine.sampling_params import text_problem
+from engine.sampling_params import (INT_MAX, LOGIT_BIAS, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                                    MAX_STOP_TOKEN_IDS, RANGES, text_problem)
 
 
 def _checked(allow_nul: bool):
@@ -29,8 +30,9 @@ def _checked(allow_nul: bool):
     return AfterValidator(check)
 
 
-# Text that reaches the tokenizer, and stop strings.
-Text = Annotated[str, _checked(allow_nul=False)]
+# Text that reaches the tokenizer, and stop strings. A JSON schema string is Unicode, so lone surrogates
+# are outside it already; the pattern shows that a prompt holds no NUL.
+Text = Annotated[str, _checked(allow_nul=False), Field(json_schema_extra={"pattern": r"^[^\x00]*$"})]
 StopText = Annotated[str, _checked(allow_nul=True)]
 
 
@@ -63,13 +65,39 @@ def _check_json(value: Any) -> Any:
 # the text checks above, on the event loop).
 MAX_ITEMS = 2048
 Items = Field(max_length=MAX_ITEMS)
+# A prompt: text or token ids, never empty (a list of prompts neither).
+PromptText = Annotated[Text, Field(min_length=1)]
+TokenIds = Annotated[list[int], Field(min_length=1)]
+Prompts = Field(min_length=1, max_length=MAX_ITEMS)
+
+
+def _only(expected: Any) -> Any:
+    """A parameter of another server's API that this one accepts at one value only. JSON's 0 equals
+    false in Python (and true equals 1), and pydantic's Literal takes either: the type must match too."""
+    def check(value: Any) -> Any:
+        if type(value) is not type(expected) or value != expected:
+            raise ValueError(f"only {str(expected).lower()} is supported")
+        return value
+    return Annotated[Literal[expected], BeforeValidator(check)]
+
+
+No = _only(False)
 
 # A JSON object whose texts reach the tokenizer (tool parameters) or the grammar compiler (schemas).
 JSONObject = Annotated[dict[str, Any], AfterValidator(_check_json)]
 
 
+def _refused_in_schema(schema: dict, cls: type) -> None:
+    schema.setdefault("allOf", []).extend(getattr(cls, "REFUSED", ()))
+    if not schema["allOf"]:
+        del schema["allOf"]
+
+
 class APIBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # REFUSED: JSON-schema clauses for combinations of fields the server refuses, so that the schema
+    # offers no body the server answers 400 (schemathesis's "schema-valid request rejected").
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_refused_in_schema)
+    REFUSED: ClassVar[list[dict]] = []
 
 
 class StreamOptions(APIBody):
@@ -100,18 +128,49 @@ class NamedToolChoice(APIBody):
 class JSONSchemaFormat(APIBody):
     name: Text
     description: Optional[Text] = None
-    schema_: Optional[JSONObject] = Field(default=None, alias="schema")
+    schema_: JSONObject = Field(alias="schema")
     strict: Optional[bool] = None
 
 
-class ResponseFormat(APIBody):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[JSONSchemaFormat] = None
+class TextFormat(APIBody):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(APIBody):
+    type: Literal["json_object"]
+
+
+class JSONSchemaResponseFormat(APIBody):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+def _format_tag(value: Any) -> Optional[str]:
+    # Tags that are no parameter names, so that error locations read response_format.json_schema.
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"type={kind}" if kind in ("text", "json_object", "json_schema") else None
+
+
+ResponseFormat = Annotated[Union[Annotated[TextFormat, Tag("type=text")],
+                                 Annotated[JSONObjectFormat, Tag("type=json_object")],
+                                 Annotated[JSONSchemaResponseFormat, Tag("type=json_schema")]],
+                           Discriminator(_format_tag, custom_error_type="invalid_format_type",
+                                         custom_error_message="its type must be 'text', 'json_object' or 'json_schema'")]
 
 
 class TextPart(APIBody):
+    """A text part of a message or a prediction, as OpenAI's; other kinds (images, audio) are refused
+    by name."""
     type: Literal["text"]
     text: Text
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind != "text":
+            raise ValueError(f"content of type {kind!r}; this server takes text only")
+        return data
 
 
 class Prediction(APIBody):
@@ -123,42 +182,72 @@ class Prediction(APIBody):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+def ranged(name: str, default: Any = None) -> Any:
+    """A sampling number's field, with the range the engine checks (engine/sampling_params.py RANGES)."""
+    return Field(default=default, **RANGES[name].bounds())
+
+
+MaxTokens = Annotated[int, Field(ge=1, le=INT_MAX)]
+Stop = Annotated[StopText, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=INT_MAX)]
+Grammar = Annotated[StopText, Field(min_length=1)]
+
+
+# Pieces of REFUSED clauses.
+GIVEN = {"not": {"type": "null"}}
+ON = {"const": True}
+SOME = {"type": "integer", "minimum": 1}
+
+
+def together(**conditions: dict) -> dict:
+    """Refuses a body in which every named field is present with a value its condition matches."""
+    return {"not": {"required": list(conditions), "properties": conditions}}
+
+
+GRAMMARS = ("regex", "ebnf", "json_schema")
+# One grammar at a time, and the grammar decides where the output ends (engine/sampling_params.py).
+GRAMMAR_REFUSED = [together(**{a: GIVEN, b: GIVEN}) for i, a in enumerate(GRAMMARS) for b in GRAMMARS[i + 1:]] + [
+    together(**{g: GIVEN, other: value}) for g in GRAMMARS for other, value in (("ignore_eos", ON), ("min_tokens", SOME))]
+
+
 class _OpenAISampling(APIBody):
     """Sampling fields shared by chat and text completions (OpenAI's, plus SGLang's extensions)."""
     model: Optional[str] = None
-    max_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    n: int = 1
-    seed: Optional[int] = None
-    stop: Union[StopText, list[StopText], None] = None
+    max_tokens: Optional[MaxTokens] = None
+    temperature: Optional[float] = ranged("temperature")
+    top_p: Optional[float] = ranged("top_p")
+    n: int = ranged("n", 1)
+    seed: Optional[int] = ranged("seed")
+    stop: Union[Stop, Annotated[list[Stop], Field(max_length=MAX_STOP_STRINGS)], None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
+    presence_penalty: Optional[float] = ranged("presence_penalty")
+    frequency_penalty: Optional[float] = ranged("frequency_penalty")
+    logit_bias: Optional[Annotated[dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")],
+                                        Annotated[float, Field(**LOGIT_BIAS.bounds())]],
+                                   Field(max_length=MAX_LOGIT_BIAS)]] = None
     # OpenAI's, accepted and ignored: nothing is stored (so store: true, which promises that, is
     # refused), requests are not tracked per user, every request is served at the one tier there is,
     # and the radix cache finds shared prefixes without a key.
     user: Optional[str] = None
-    store: Optional[Literal[False]] = None
+    store: Optional[No] = None
     metadata: Optional[dict[str, str]] = None
     service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority"]] = None
     prompt_cache_key: Optional[str] = None
     safety_identifier: Optional[str] = None
     # SGLang extensions.
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    min_tokens: Optional[int] = None
+    top_k: Optional[int] = ranged("top_k")
+    min_p: Optional[float] = ranged("min_p")
+    repetition_penalty: Optional[float] = ranged("repetition_penalty")
+    min_tokens: Optional[int] = ranged("min_new_tokens")
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    regex: Optional[str] = None                      # SGLang's grammar constraints
-    ebnf: Optional[str] = None
-    json_schema: Optional[str] = None
-    return_hidden_states: Literal[False] = False     # SGLang's; sglang-router sends its default
+    regex: Optional[Grammar] = None                  # SGLang's grammar constraints (one at most: REFUSED)
+    ebnf: Optional[Grammar] = None
+    json_schema: Optional[Grammar] = None
+    return_hidden_states: No = False     # SGLang's; sglang-router sends its default
     prediction: Optional[Prediction] = None          # OpenAI's on chat; the same shape on completions
 
     def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
@@ -178,23 +267,6 @@ class _OpenAISampling(APIBody):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)   # image/audio parts carry their own keys; refused by type
-    type: str
-    text: Optional[Text] = None
-
-    @model_validator(mode="after")
-    def _text_keys(self) -> "ContentPart":
-        """A text part holds `type` and `text` alone, as OpenAI's does."""
-        if self.type == "text":
-            extra = sorted(self.model_extra or {})
-            if extra:
-                raise ValueError(f"a text part takes only 'type' and 'text'; {extra[0]!r} is not supported")
-            if self.text is None:
-                raise ValueError("a text part needs its 'text'")
-        return self
-
-
 class FunctionCall(APIBody):
     name: Text
     arguments: Text                                  # JSON text, as OpenAI sends it
@@ -208,15 +280,32 @@ class ToolCall(APIBody):
 
 class ChatMessage(APIBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[Text, Annotated[list[ContentPart], Items], None] = None
+    content: Union[Text, Annotated[list[TextPart], Items], None] = None
     name: Optional[Text] = None
     tool_calls: Optional[list[ToolCall]] = None      # an assistant turn's calls
     tool_call_id: Optional[Text] = None              # a tool turn's answer to that call
 
 
+_JSON_FORMAT = {"properties": {"type": {"enum": ["json_object", "json_schema"]}}, "required": ["type"]}
+_TOOLS = {"type": "array", "minItems": 1}
+_FORCED = {"anyOf": [{"const": "required"}, {"type": "object"}]}     # tool_choice that compiles a grammar
+
+
 class ChatCompletionRequest(_OpenAISampling):
+    REFUSED = GRAMMAR_REFUSED + [
+        # A JSON response_format or a forced tool call is a grammar too.
+        *(together(**cause, **{other: value}) for cause in ({"response_format": _JSON_FORMAT},
+                                                             {"tools": _TOOLS, "tool_choice": _FORCED})
+          for other, value in [(g, GIVEN) for g in GRAMMARS] + [("ignore_eos", ON), ("min_tokens", SOME)]),
+        together(response_format=_JSON_FORMAT, tools=_TOOLS),
+        # top_logprobs needs logprobs: true (as OpenAI's); tool_choice other than none needs tools.
+        {"not": {"required": ["top_logprobs"], "properties": {"top_logprobs": SOME, "logprobs": {"not": ON}}}},
+        {"not": {"required": ["tool_choice"], "properties": {
+            "tool_choice": {"not": {"anyOf": [{"type": "null"}, {"const": "none"}]}},
+            "tools": {"anyOf": [{"type": "null"}, {"maxItems": 0}]}}}},
+    ]
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_ITEMS)
-    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[MaxTokens] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     tools: Optional[Annotated[list[Tool], Items]] = None
@@ -225,23 +314,26 @@ class ChatCompletionRequest(_OpenAISampling):
     response_format: Optional[ResponseFormat] = None
     # SGLang's; sglang-router sends them. Without a reasoning parser (SGLang's --reasoning-parser, which
     # this server lacks) there is no reasoning to separate or stream apart, so either value is honoured.
-    continue_final_message: Literal[False] = False
+    continue_final_message: No = False
     separate_reasoning: bool = True
     stream_reasoning: bool = True
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: Union[Text, Annotated[list[Text], Items], list[int], Annotated[list[list[int]], Items]]
+    # echo with logprobs would need the prompt's logprobs, which are not computed.
+    REFUSED = GRAMMAR_REFUSED + [together(echo=ON, logprobs={"type": "integer"})]
+    prompt: Union[PromptText, Annotated[list[PromptText], Prompts], TokenIds, Annotated[list[TokenIds], Prompts]]
     echo: bool = False
     suffix: Optional[Literal[""]] = None
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)     # alternatives per token (OpenAI: at most 5)
-    best_of: Optional[Literal[1]] = None
+    best_of: Optional[_only(1)] = None
 
 
 class GenerateRequest(APIBody):
     """SGLang's /generate: one prompt or a batch, as text or token ids."""
-    text: Union[Text, Annotated[list[Text], Items], None] = None
-    input_ids: Union[list[int], Annotated[list[list[int]], Items], None] = None
+    REFUSED = [{"oneOf": [{"required": [key], "properties": {key: GIVEN}} for key in ("text", "input_ids")]}]
+    text: Union[PromptText, Annotated[list[PromptText], Prompts], None] = None
+    input_ids: Union[TokenIds, Annotated[list[TokenIds], Prompts], None] = None
     sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None   # a list: one per prompt
     stream: bool = False
     return_logprob: bool = False
@@ -251,9 +343,9 @@ class GenerateRequest(APIBody):
     # request metrics are not logged per request here whatever log_metrics says.
     model: Optional[str] = None
     log_metrics: bool = True
-    return_hidden_states: Literal[False] = False
-    background: Literal[False] = False
+    return_hidden_states: No = False
+    background: No = False
     no_logs: bool = False
-    return_bytes: Literal[False] = False
-    return_entropy: Literal[False] = False
+    return_bytes: No = False
+    return_entropy: No = False
     prediction: Optional[Prediction] = None          # Predicted Outputs, as on /v1/chat/completions

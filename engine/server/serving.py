@@ -67,11 +67,7 @@ class Serving:
         for i, m in enumerate(messages):
             content = m.content
             if isinstance(content, list):
-                kinds = {p.type for p in content} - {"text"}
-                if kinds:
-                    raise APIError(400, f"Message {i} has content of type {sorted(kinds)[0]!r}; this server takes "
-                                        "text only.", param=f"messages.{i}.content", code="unsupported_parameter")
-                content = "".join(p.text or "" for p in content)
+                content = "".join(p.text for p in content)
             turn = {"role": m.role, "content": content or ""} | ({"name": m.name} if m.name else {})
             if m.tool_calls:
                 turn["tool_calls"] = [_template_call(c, f"messages.{i}.tool_calls.{j}.function.arguments")
@@ -141,10 +137,11 @@ class Serving:
         if len(ids) >= self.context_len:
             raise APIError(400, f"The prompt has {len(ids)} tokens but the context length is {self.context_len}; "
                                 "shorten it.", code="context_length_exceeded")
-        if max_tokens is not None and len(ids) + max_tokens > self.context_len:
-            raise APIError(400, f"The prompt has {len(ids)} tokens and {param} is {max_tokens}: more than the "
-                                f"context length {self.context_len}. Lower {param}.", param=param,
-                           code="context_length_exceeded")
+        # Past what the prompt leaves of the context, the answer ends there ("length"), as llama.cpp's
+        # does; only a value past the whole context is a mistake (openapi.json says so too).
+        if max_tokens is not None and max_tokens > self.context_len:
+            raise APIError(400, f"{param} is {max_tokens}, more than the context length {self.context_len}. "
+                                f"Lower {param}.", param=param, code="context_length_exceeded")
         pool = self.engine.kv_capacity
         if len(ids) + 1 > pool:
             raise APIError(400, f"The prompt has {len(ids)} tokens but the KV cache holds {pool}.",
