@@ -58,33 +58,21 @@ def test_streams_decode_between_prefill_steps(target):
     eng.abort_all()
 
 
-def test_a_short_prompt_is_not_held_behind_a_long_one(target):
+@pytest.mark.parametrize("longer_len, shorter_len", [(120, 5), (160, 30)], ids=["fits-a-step", "in-pieces-too"])
+def test_a_shorter_prompt_does_not_wait_for_a_longer_one(target, longer_len, shorter_len):
+    """The longer prompt goes in pieces; the shorter one, whole in a step or in pieces too, goes first."""
     eng = engine(target, chunked_prefill_size=8)
-    long_prompt, short_prompt = random_prompts(1, seed=3, lo=120, hi=121)[0], random_prompts(1, seed=4, lo=5, hi=6)[0]
-    long = eng.make_request(long_prompt, params(6))
-    eng.add_request(long)
-    eng.step()
-    short = eng.make_request(short_prompt, params(6))
-    eng.add_request(short)
-    run_until(eng, lambda: short.num_output > 0)
-    assert long.num_output == 0, "the short prompt waited for the whole long one"
-    run_until(eng, lambda: not eng.has_work)
-    assert long.output_ids == alone(target, long_prompt, 6) and short.output_ids == alone(target, short_prompt, 6)
-
-
-def test_a_shorter_prompt_in_pieces_does_not_wait_for_a_longer_one(target):
-    """Both need several prefill steps: the shorter one's pieces go first, beside the longer one's."""
-    eng = engine(target, chunked_prefill_size=8)
-    longer_prompt, shorter_prompt = (random_prompts(1, seed=seed, lo=n, hi=n + 1)[0] for seed, n in ((9, 160), (10, 30)))
-    longer = eng.make_request(longer_prompt, params(4))
+    longer_prompt, shorter_prompt = (random_prompts(1, seed=seed, lo=n, hi=n + 1)[0]
+                                     for seed, n in ((longer_len, longer_len), (shorter_len, shorter_len)))
+    longer = eng.make_request(longer_prompt, params(6))
     eng.add_request(longer)
     eng.step()
-    shorter = eng.make_request(shorter_prompt, params(4))
+    shorter = eng.make_request(shorter_prompt, params(6))
     eng.add_request(shorter)
     run_until(eng, lambda: shorter.num_output > 0)
     assert longer.num_output == 0, "the shorter prompt waited for the whole longer one"
     run_until(eng, lambda: not eng.has_work)
-    assert longer.output_ids == alone(target, longer_prompt, 4) and shorter.output_ids == alone(target, shorter_prompt, 4)
+    assert longer.output_ids == alone(target, longer_prompt, 6) and shorter.output_ids == alone(target, shorter_prompt, 6)
 
 
 def test_short_prompts_cannot_stall_a_long_one(target):
