@@ -266,8 +266,9 @@ class Scheduler:
         if all(held[r.group] for r in self.waiting):
             return
         group, count = held.most_common(1)[0]
-        if count > self._share():
-            self._retract(self._victim([r for r in self.running if r.group == group]))
+        decoding = [r for r in self.running if r.group == group]
+        if count > self._share() and decoding:
+            self._retract(self._victim(decoding))
 
     def _waiting_in_order(self, held: Counter) -> list[Request]:
         """Client requests holding fewest running places first; among equals, with the longest-prefix
