@@ -803,6 +803,8 @@ def test_max_tokens_past_what_the_prompt_leaves_ends_with_length(small):
         assert r.json()["usage"]["completion_tokens"] == context - len(prompt)
         r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": context + 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        r = c.post("/v1/chat/completions", json={**CHAT, "max_completion_tokens": 1, "max_tokens": context + 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
 @pytest.mark.parametrize("route, schema, body", [

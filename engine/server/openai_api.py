@@ -36,6 +36,8 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     serving.check_count(body.n, "n")
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
+    if body.max_completion_tokens is not None and body.max_tokens is not None:
+        serving.check_max_tokens(body.max_tokens, "max_tokens")    # the one not used is still checked
     tools = _offered_tools(body, serving)
     compact = serving.args.constrained_json_disable_any_whitespace
     sampling = body.sampling_params(body.max_completion_tokens or body.max_tokens) | _constraint(body, tools, compact)

@@ -133,15 +133,19 @@ class Serving:
             if watch is not None:
                 watch.cancel()
 
+    def check_max_tokens(self, max_tokens: int, param: str) -> None:
+        # Past what the prompt leaves of the context, the answer ends there ("length"), as llama.cpp's
+        # does; only a value past the whole context is a mistake (openapi.json says so too).
+        if max_tokens > self.context_len:
+            raise APIError(400, f"{param} is {max_tokens}, more than the context length {self.context_len}. "
+                                f"Lower {param}.", param=param, code="context_length_exceeded")
+
     def _check_fits(self, ids: list[int], max_tokens: Optional[int], param: str) -> None:
         if len(ids) >= self.context_len:
             raise APIError(400, f"The prompt has {len(ids)} tokens but the context length is {self.context_len}; "
                                 "shorten it.", code="context_length_exceeded")
-        # Past what the prompt leaves of the context, the answer ends there ("length"), as llama.cpp's
-        # does; only a value past the whole context is a mistake (openapi.json says so too).
-        if max_tokens is not None and max_tokens > self.context_len:
-            raise APIError(400, f"{param} is {max_tokens}, more than the context length {self.context_len}. "
-                                f"Lower {param}.", param=param, code="context_length_exceeded")
+        if max_tokens is not None:
+            self.check_max_tokens(max_tokens, param)
         pool = self.engine.kv_capacity
         if len(ids) + 1 > pool:
             raise APIError(400, f"The prompt has {len(ids)} tokens but the KV cache holds {pool}.",
