@@ -9,7 +9,8 @@ carried there (device tool: carry ["benchmarks/gpu_wheels"]):
 1. Installs the carried wheels (benchmarks/gpu_wheels/) into a temporary folder, which goes on PYTHONPATH
    with the repository root and a link spec_kernels -> kernels/ (pyproject.toml's package-dir mapping).
    Skipped where spec's dependencies import already.
-2. Runs the GPU tests: pytest -m gpu tests/test_gpu.py, with Triton compiled (TRITON_INTERPRET=0).
+2. Runs the GPU tests: pytest -m gpu tests/test_gpu.py, each test function in a process of its own (a
+   CUDA error spoils its process), with Triton compiled (TRITON_INTERPRET=0).
 3. Benchmarks a Llama-3.1-8B-shaped model with random bf16 weights made on the device (no checkpoint):
    decode tokens/s at batch 1 and 16, eager (torch attention) and with Triton attention + CUDA graphs;
    the verify cost (an 8-token forward against a 1-token one); the step of a 1-layer EAGLE-3-shaped
@@ -138,7 +139,8 @@ def run_tests(env: dict, out: Path) -> dict:
             rc, took = run_logged(cmd, env, part, max(10, int(TESTS_TIMEOUT_S - seconds)))
             log.write(f"===== {name} (exit {rc}, {took:.1f} s)\n{part.read_text()}\n")
             counts = junit_counts(xml)
-            xml.unlink(missing_ok=True), part.unlink()
+            xml.unlink(missing_ok=True)
+            part.unlink()
             for key in totals:
                 totals[key] += counts[key]
             worst, seconds = worst or rc, seconds + took

@@ -264,13 +264,15 @@ def pct(values: list[float], q: float) -> str:
         else f"{values[0]:.2f} s"
 
 
-async def run_phase(client: httpx.AsyncClient, args, adversaries: int, context_len: int, seed: int) -> tuple[Soak, float]:
+async def run_phase(client: httpx.AsyncClient, args, adversaries: int, context_len: int,
+                    seed: int) -> tuple[Soak, float]:
     soak = Soak(args)
     start = time.monotonic()
     deadline = start + args.minutes * 60
     adversary = Adversary(soak, context_len)
     await asyncio.gather(probe_health(client, soak, deadline),
-                         *(soak.worker(client, random.Random(seed * 1000 + i), deadline) for i in range(args.concurrency)),
+                         *(soak.worker(client, random.Random(seed * 1000 + i), deadline)
+                           for i in range(args.concurrency)),
                          *(adversary.worker(client, random.Random(seed * 1000 + 500 + i), deadline)
                            for i in range(adversaries)))
     return soak, time.monotonic() - start
@@ -312,7 +314,8 @@ async def main(args) -> int:
                 seen[key] |= texts
         mismatches = []
         for (prompt, tokens), texts in sorted(seen.items()):
-            alone = await client.post("/v1/completions", json=results[0][1].body(False, prompt, tokens, temperature=0.0))
+            body = results[0][1].body(False, prompt, tokens, temperature=0.0)
+            alone = await client.post("/v1/completions", json=body)
             text = alone.json()["choices"][0]["text"] if alone.status_code == 200 else f"HTTP {alone.status_code}"
             if texts != {text}:
                 mismatches.append((prompt, sorted(texts), text))
@@ -354,7 +357,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--adversaries", type=int, default=0,
                    help="a second phase with this many clients sending the worst valid requests (see above)")
-    p.add_argument("--max-n", type=int, default=16, help="n of the adversaries' many-choices request (the server's --max-n)")
+    p.add_argument("--max-n", type=int, default=16,
+                   help="n of the adversaries' many-choices request (the server's --max-n)")
     p.add_argument("--schema-depth", type=int, default=31,
                    help="objects nested in the adversaries' JSON schema (two JSON levels each, plus one: "
                         "spec refuses past 64 levels)")

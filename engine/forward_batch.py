@@ -83,7 +83,8 @@ def make_batch(table: torch.Tensor, rows: Sequence[int], prefix_lens: Sequence[i
         positions = (starts - offsets).repeat_interleave(n, output_size=len(input_ids)) + \
             torch.arange(len(input_ids), device=device)
     return ForwardBatch(
-        input_ids=input_ids, positions=to_device(positions, device), out_slots=to_device(out_slots, device), table=table,
+        input_ids=input_ids, positions=to_device(positions, device), out_slots=to_device(out_slots, device),
+        table=table,
         rows=to_device(list(rows), device, torch.long), prefix_lens=list(prefix_lens),
         extend_lens=list(extend_lens), extra_slots=None if extra_slots is None else to_device(extra_slots, device),
         extra_lens=None if extra_lens is None else list(extra_lens), masks=masks, capture_hidden=capture_hidden)

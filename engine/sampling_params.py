@@ -155,7 +155,8 @@ class SamplingParams:
         for key, value in bias.items():
             if not (isinstance(key, str) and key.isdigit() and key == str(int(key)) and int(key) <= INT_MAX):
                 raise RequestError(f"logit_bias keys must be token ids written as strings, got {key!r}.", "logit_bias")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not LOGIT_BIAS.lo <= value <= LOGIT_BIAS.hi:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not LOGIT_BIAS.lo <= value <= LOGIT_BIAS.hi:
                 raise RequestError(f"logit_bias values must be numbers in [{LOGIT_BIAS.lo:g}, {LOGIT_BIAS.hi:g}], got "
                                    f"{value!r} for {key}.", "logit_bias")
 

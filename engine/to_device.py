@@ -1,6 +1,6 @@
 """Host values onto the device without stalling the host.
 
-`to_device(values, "cuda")` copies from pageable memory, which waits for the GPU to finish
+`torch.tensor(values, device="cuda")` copies from pageable memory, which waits for the GPU to finish
 everything queued before it: a decode step that builds a dozen small index tensors that way waits a
 dozen times. Staged in pinned memory, the copy is queued behind the step's kernels instead (PyTorch's
 pinned allocator keeps the staging block until the copy has run). On a CPU it is a plain tensor."""
@@ -20,3 +20,9 @@ def to_device(values: Union[Sequence, torch.Tensor], device: Union[str, torch.de
     if torch.device(device).type != "cuda" or t.is_cuda:
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def ragged_index(lens: Sequence[int], width: int, device: Union[str, torch.device]) -> torch.Tensor:
+    """Flat indices of the first lens[b] entries of each row of a [len(lens), width] layout, made on the
+    host: a boolean mask on the device would wait for the GPU to count its rows."""
+    return to_device([b * width + i for b, n in enumerate(lens) for i in range(n)], device)

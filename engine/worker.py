@@ -24,7 +24,7 @@ from engine.speculative.drafter import Drafter
 from engine.speculative.tree import TreeBatch
 from engine.speculative.verify import sampling_rule, verify
 from engine.step import DecodeStep, PrefillStep, StepResult
-from engine.to_device import to_device
+from engine.to_device import ragged_index, to_device
 from spec_kernels import cpu_argmax
 
 
@@ -98,10 +98,8 @@ class Worker:
         own = list(tree.sizes)              # the drafter's nodes; a prediction chain's come after them
         if step.chain_slots:
             tree = tree.with_chains(step.chains)
-        # The trees' nodes, request after request: an index made on the host (a boolean mask on the
-        # device would wait for the GPU to count its rows).
-        nodes = None if all(n == tree.width for n in tree.sizes) else to_device(
-            [b * tree.width + i for b, n in enumerate(tree.sizes) for i in range(n)], device)
+        # The trees' nodes, request after request.
+        nodes = None if all(n == tree.width for n in tree.sizes) else ragged_index(tree.sizes, tree.width, device)
 
         def flat(x: torch.Tensor) -> torch.Tensor:
             return x.flatten(0, 1) if nodes is None else x.flatten(0, 1)[nodes]

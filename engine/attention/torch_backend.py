@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.memory.kv_pool import KVPool
-from engine.to_device import to_device
+from engine.to_device import ragged_index, to_device
 from spec_kernels import cpu_attention
 
 
@@ -103,7 +103,7 @@ class TorchAttentionBackend(AttentionBackend):
             seen = batch.masks.to(device).gather(2, index)
         mask = (j < 0) | ((j < tail[:, None, None]) & seen)
         valid = q_pos[None, :] < new[:, None]                                        # [B, max_new]
-        unpad_index = to_device([b * max_new + i for b, n in enumerate(batch.extend_lens) for i in range(n)], device)
+        unpad_index = ragged_index(batch.extend_lens, max_new, device)
         if key_lists:
             slots, lens = _key_lists(kv_index, mask.view(B * max_new, max_kv)[unpad_index], unpad_index // max_new)
             starts = torch.cat([new.new_zeros(1), new.cumsum(0)])

@@ -154,8 +154,8 @@ def _format_tag(value: Any) -> Optional[str]:
 ResponseFormat = Annotated[Union[Annotated[TextFormat, Tag("type=text")],
                                  Annotated[JSONObjectFormat, Tag("type=json_object")],
                                  Annotated[JSONSchemaResponseFormat, Tag("type=json_schema")]],
-                           Discriminator(_format_tag, custom_error_type="invalid_format_type",
-                                         custom_error_message="its type must be 'text', 'json_object' or 'json_schema'")]
+                           Discriminator(_format_tag, custom_error_type="invalid_format_type", custom_error_message=(
+                               "its type must be 'text', 'json_object' or 'json_schema'"))]
 
 
 class TextPart(APIBody):
@@ -207,7 +207,8 @@ def together(**conditions: dict) -> dict:
 GRAMMARS = ("regex", "ebnf", "json_schema")
 # One grammar at a time, and the grammar decides where the output ends (engine/sampling_params.py).
 GRAMMAR_REFUSED = [together(**{a: GIVEN, b: GIVEN}) for i, a in enumerate(GRAMMARS) for b in GRAMMARS[i + 1:]] + [
-    together(**{g: GIVEN, other: value}) for g in GRAMMARS for other, value in (("ignore_eos", ON), ("min_tokens", SOME))]
+    together(**{g: GIVEN, other: value})
+    for g in GRAMMARS for other, value in (("ignore_eos", ON), ("min_tokens", SOME))]
 
 
 class _OpenAISampling(APIBody):

@@ -101,8 +101,9 @@ class Serving:
                 params = SamplingParams.from_dict(values)
             except RequestError as exc:
                 raise _renamed(exc, names) from None
-            self._check_fits(ids, params.max_new_tokens if given else None, names.get("max_new_tokens",
-                                                                                      "max_new_tokens"))
+            self._check_fits(ids)
+            if given:
+                self.check_max_tokens(params.max_new_tokens, names.get("max_new_tokens", "max_new_tokens"))
             if params.n > self.args.max_n:
                 raise APIError(400, f"n is {params.n}, more choices than this server gives one request "
                                     f"({self.args.max_n}, --max-n).", param="n")
@@ -140,12 +141,10 @@ class Serving:
             raise APIError(400, f"{param} is {max_tokens}, more than the context length {self.context_len}. "
                                 f"Lower {param}.", param=param, code="context_length_exceeded")
 
-    def _check_fits(self, ids: list[int], max_tokens: Optional[int], param: str) -> None:
+    def _check_fits(self, ids: list[int]) -> None:
         if len(ids) >= self.context_len:
             raise APIError(400, f"The prompt has {len(ids)} tokens but the context length is {self.context_len}; "
                                 "shorten it.", code="context_length_exceeded")
-        if max_tokens is not None:
-            self.check_max_tokens(max_tokens, param)
         pool = self.engine.kv_capacity
         if len(ids) + 1 > pool:
             raise APIError(400, f"The prompt has {len(ids)} tokens but the KV cache holds {pool}.",

@@ -83,8 +83,8 @@ class TreeBatch:
         for b, t in enumerate(trees):
             tokens[b, :len(t)] = torch.tensor(t.tokens)
             parents[b, :len(t)] = torch.tensor(t.parents)
-        return cls(to_device(tokens, device), to_device(parents, device), [len(t) for t in trees], all(t.is_chain for t in trees),
-                   max(max(t.depths) for t in trees), max(t.max_children for t in trees))
+        return cls(to_device(tokens, device), to_device(parents, device), [len(t) for t in trees],
+                   all(t.is_chain for t in trees), max(max(t.depths) for t in trees), max(t.max_children for t in trees))
 
     def with_chains(self, chains: Sequence[Sequence[int]]) -> "TreeBatch":
         """These trees with chains[b] grown from request b's root after its nodes: node sizes[b] holds
