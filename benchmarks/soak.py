@@ -74,6 +74,7 @@ class Soak:
         self.examples: dict[str, str] = {}
         self.latency: list[float] = []
         self.ttft: list[float] = []
+        self.slowest: list[tuple[float, str]] = []     # (time to first token, what the stream asked)
         self.greedy_seen: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
         self.health: list[float] = []
 
@@ -141,6 +142,9 @@ class Soak:
             self.latency.append(time.perf_counter() - start)
             if first is not None:
                 self.ttft.append(first - start)
+                prompt = body.get("prompt") or body["messages"][0]["content"]
+                self.slowest.append((first - start, f"{path.rsplit('/', 1)[-1]}, {len(prompt.split())} words, "
+                                                    f"max_tokens {body['max_tokens']}, at {time.monotonic():.0f}"))
 
     async def cancel(self, client, rng) -> None:
         await self.stream(client, rng, cancel_after=rng.randint(1, 4))
@@ -288,6 +292,8 @@ def report(soak: Soak, elapsed: float, args, title: str) -> int:
         print(f"    {cause}: {n}   e.g. {soak.examples[cause]}")
     print(f"  latency of served requests: p50 {pct(soak.latency, 50)}, p99 {pct(soak.latency, 99)}; "
           f"time to first token (streams): p50 {pct(soak.ttft, 50)}, p99 {pct(soak.ttft, 99)}")
+    slowest = sorted(soak.slowest, reverse=True)[:3]
+    print("  slowest first tokens: " + "; ".join(f"{t:.2f} s ({what})" for t, what in slowest))
     print(f"  /health: p50 {pct(soak.health, 50)}, p99 {pct(soak.health, 99)}, worst "
           f"{max(soak.health, default=0):.3f} s ({len(soak.health)} probes)")
     return sum(soak.failures.values())

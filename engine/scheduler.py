@@ -186,8 +186,8 @@ class Scheduler:
     def _schedule_prefill(self) -> list[tuple[Request, int]]:
         """This step's prompt pieces: waiting prompts first, whole where they fit, else as one more
         prompt prefilled in pieces (at most _MAX_PARTIAL at a time); then the next pieces of those
-        prompts, shortest remaining first. The oldest of them keeps a quarter of every step, so that
-        shorter prompts cannot stall it. A short prompt never waits for a long one to finish."""
+        prompts, shortest remaining first. The oldest of them keeps an equal part of every step (at most a
+        quarter), so that shorter prompts cannot stall it. A short prompt never waits for a long one to finish."""
         partial = self.prefilling
         if partial and self.kv.available() < min(_remaining(partial[0]), self.prefill_budget):
             if self.running:
@@ -198,7 +198,10 @@ class Scheduler:
             self._retract(partial[-1])
         self._yield_share()
         oldest = partial[0] if partial else None
-        floor = min(_remaining(oldest), self.prefill_budget // 4) if oldest else 0
+        # The oldest's floor: an equal part of the step among the client requests wanting prefill, at
+        # most a quarter, so that one long prompt takes no more than its client's part while others wait.
+        wanting = len({r.group for r in partial} | {r.group for r in self.waiting})
+        floor = min(_remaining(oldest), max(1, self.prefill_budget // max(4, wanting))) if oldest else 0
         budget = self.prefill_budget - floor
         plan: list[tuple[Request, int]] = []
         admitted = self.running + partial

@@ -1,6 +1,7 @@
 """Fair shares of the engine (engine/scheduler.py), observed step by step, never by time: running
 streams decode between any two prefill steps, a short prompt is not held behind a long one prefilled
-in pieces (nor can short prompts stall the long one), and one client request's choices cannot hold
+in pieces (nor can short prompts stall the long one, which takes an equal part of a step while
+others wait), and one client request's choices cannot hold
 every running place while another waits. Outputs stay those of each request run alone."""
 
 from __future__ import annotations
@@ -89,6 +90,22 @@ def test_short_prompts_cannot_stall_a_long_one(target):
     # 64 tokens at >= 2 a prefill step, with a decode step between prefill steps.
     assert steps <= 2 * 64 // 2 + 2, steps
     eng.abort_all()
+
+
+def test_a_long_prompt_takes_an_equal_part_while_others_wait(target):
+    """With seven other client requests waiting, the long prompt's floor is an eighth of the step, not
+    the quarter it keeps against fewer."""
+    eng = engine(target, chunked_prefill_size=16, max_running_requests=64)
+    long = eng.make_request(random_prompts(1, seed=9, lo=64, hi=65)[0], params(2))
+    eng.add_request(long)
+    eng.step()
+    before = long.kv_len
+    for prompt in random_prompts(7, seed=10, lo=12, hi=13):
+        eng.add_request(eng.make_request(prompt, params(1)))
+    eng.step()
+    assert long.kv_len - before == 16 // 8
+    run_until(eng, lambda: not eng.has_work)
+    assert long.output_ids == alone(target, long.prompt_ids, 2)
 
 
 def test_one_client_request_cannot_hold_every_running_place(target):
