@@ -4,6 +4,7 @@ and server info, behind an optional API key."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import os
 import time
@@ -79,9 +80,11 @@ def _openapi(app: FastAPI, serving: Serving) -> dict:
 
 
 def _served_limits(schemas: dict, serving: Serving) -> None:
-    """What the request models cannot know: --max-n, the context length, the vocabulary, and whether
-    the chat template takes tools."""
+    """What the request models cannot know: --max-n, the queue, the context length, the vocabulary, and
+    whether the chat template takes tools. The queue bounds n x prompts, which a schema cannot state:
+    it says n <= --max-n and prompts <= --max-queued-requests."""
     context, vocab = serving.context_len, serving.engine.model_config.vocab_size
+    queue = serving.args.max_queued_requests
 
     def cap_integers(node, maximum: int) -> None:
         for option in node.get("anyOf", [node]):
@@ -97,18 +100,31 @@ def _served_limits(schemas: dict, serving: Serving) -> None:
             elif option.get("type") == "array":
                 cap_token_ids(items)
 
-    for name in ("ChatCompletionRequest", "CompletionRequest"):
+    def cap_prompts(node) -> None:
+        for option in node.get("anyOf", [node]):
+            if option.get("type") == "array" and option.get("items", {}).get("type") != "integer":
+                option["maxItems"] = min(option.get("maxItems", queue), queue)
+
+    for name in ("ChatCompletionRequest", "CompletionRequest", "SGLangSampling"):
         props = schemas[name]["properties"]
-        cap_integers(props["n"], min(serving.args.max_n, serving.args.max_queued_requests))
-        for key in ("max_tokens", "max_completion_tokens"):
+        cap_integers(props["n"], min(serving.args.max_n, queue))
+        for key in ("max_tokens", "max_completion_tokens", "max_new_tokens"):
             if key in props:
                 cap_integers(props[key], context)
+    for node in (schemas["CompletionRequest"]["properties"]["prompt"], schemas["GenerateRequest"]["properties"]["text"],
+                 schemas["GenerateRequest"]["properties"]["input_ids"]):
+        cap_prompts(node)
     cap_token_ids(schemas["CompletionRequest"]["properties"]["prompt"])
     cap_token_ids(schemas["GenerateRequest"]["properties"]["input_ids"])
+    cap_token_ids(schemas["SGLangSampling"]["properties"]["prediction"])
     if not tool_calls.template_speaks_tools(getattr(serving.tokenizer.hf, "chat_template", None)):
         props = schemas["ChatCompletionRequest"]["properties"]
         props["tools"] = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
         props["tool_choice"] = {"anyOf": [{"type": "null"}, {"const": "none"}]}
+
+
+# /generate's errors name sampling parameters where the body holds them.
+SAMPLING_NAMES = {f.name: f"sampling_params.{f.name}" for f in dataclasses.fields(SamplingParams)}
 
 
 def _router(serving: Serving) -> APIRouter:
@@ -190,12 +206,7 @@ def _router(serving: Serving) -> APIRouter:
             prompts = await serving.tokenizer.encode(texts)
         else:
             prompts = [list(body.input_ids)] if single_ids else [list(x) for x in body.input_ids]
-        sampling = body.sampling_params or {}
-        if body.prediction is not None:
-            text = body.prediction.text()
-            sampling = ([{**s, "prediction": text} for s in sampling] if isinstance(sampling, list)
-                        else {**sampling, "prediction": text})
-        reqs = await serving.make_requests(prompts, sampling, http=http,
+        reqs = await serving.make_requests(prompts, body.sampling(), http=http, names=SAMPLING_NAMES,
                                            default_max_tokens=SamplingParams.max_new_tokens,
                                            return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num)
         single = (single_text or single_ids) and len(reqs) == 1

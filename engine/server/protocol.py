@@ -6,8 +6,8 @@ server does not implement are declared with their neutral values alone (`suffix:
 the schema says exactly what passes. Fields that change nothing about the answer on this server
 (`store: false`, `metadata`, `service_tier`, `user`, `prompt_cache_key`, `safety_identifier`) are
 accepted and ignored, as stock clients send them.
-Types are strict, as OpenAI's are: `"5"` is not an integer, `1` is not a boolean, `5.0` is not a
-token count. Ranges are checked once, by SamplingParams; text is checked here for what no tokenizer
+Types are strict, as OpenAI's are: `"5"` is not an integer, `1` is not a boolean; `5.0` is the
+integer 5, as JSON Schema counts it (`5.5` is refused). Ranges are checked once, by SamplingParams; text is checked here for what no tokenizer
 can take.
 """
 
@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from engine.sampling_params import (INT_MAX, LOGIT_BIAS, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+from engine.sampling_params import (CONSTRAINTS, INT_MAX, LOGIT_BIAS, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
                                     MAX_STOP_TOKEN_IDS, RANGES, text_problem)
 
 
@@ -65,9 +65,26 @@ def _check_json(value: Any) -> Any:
 # the text checks above, on the event loop).
 MAX_ITEMS = 2048
 Items = Field(max_length=MAX_ITEMS)
+
+
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# Integers, written 5 or 5.0 (JSON Schema's integers; a client in JavaScript cannot tell them apart). The
+# bounds go before the validator, or the schema would show pydantic's names for them ("ge"), not JSON's.
+Int = Annotated[int, BeforeValidator(_integral)]
+OptInt = Annotated[Optional[int], BeforeValidator(_integral)]
+
+
+def integer(**bounds: int) -> Any:
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+TokenId = integer(ge=0, le=INT_MAX)
 # A prompt: text or token ids, never empty (a list of prompts neither).
 PromptText = Annotated[Text, Field(min_length=1)]
-TokenIds = Annotated[list[int], Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Prompts = Field(min_length=1, max_length=MAX_ITEMS)
 
 
@@ -75,6 +92,7 @@ def _only(expected: Any) -> Any:
     """A parameter of another server's API that this one accepts at one value only. JSON's 0 equals
     false in Python (and true equals 1), and pydantic's Literal takes either: the type must match too."""
     def check(value: Any) -> Any:
+        value = _integral(value) if type(expected) is int else value
         if type(value) is not type(expected) or value != expected:
             raise ValueError(f"only {str(expected).lower()} is supported")
         return value
@@ -187,9 +205,8 @@ def ranged(name: str, default: Any = None) -> Any:
     return Field(default=default, **RANGES[name].bounds())
 
 
-MaxTokens = Annotated[int, Field(ge=1, le=INT_MAX)]
+MaxTokens = integer(ge=1, le=INT_MAX)
 Stop = Annotated[StopText, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-TokenId = Annotated[int, Field(ge=0, le=INT_MAX)]
 Grammar = Annotated[StopText, Field(min_length=1)]
 
 
@@ -204,11 +221,20 @@ def together(**conditions: dict) -> dict:
     return {"not": {"required": list(conditions), "properties": conditions}}
 
 
+def grammar_refused(grammars: tuple[str, ...], min_tokens: str) -> list[dict]:
+    """One grammar at a time, and the grammar decides where the output ends (engine/sampling_params.py)."""
+    return [together(**{a: GIVEN, b: GIVEN}) for i, a in enumerate(grammars) for b in grammars[i + 1:]] + [
+        together(**{g: GIVEN, other: value}) for g in grammars for other, value in (("ignore_eos", ON), (min_tokens, SOME))]
+
+
 GRAMMARS = ("regex", "ebnf", "json_schema")
-# One grammar at a time, and the grammar decides where the output ends (engine/sampling_params.py).
-GRAMMAR_REFUSED = [together(**{a: GIVEN, b: GIVEN}) for i, a in enumerate(GRAMMARS) for b in GRAMMARS[i + 1:]] + [
-    together(**{g: GIVEN, other: value})
-    for g in GRAMMARS for other, value in (("ignore_eos", ON), ("min_tokens", SOME))]
+GRAMMAR_REFUSED = grammar_refused(GRAMMARS, "min_tokens")
+# pydantic states the keys' pattern as patternProperties, which leave other keys free: they are not.
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")],
+                           Annotated[float, Field(**LOGIT_BIAS.bounds())]],
+                      Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False})]
+Stops = Union[Stop, Annotated[list[Stop], Field(max_length=MAX_STOP_STRINGS)], None]
+StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
 
 
 class _OpenAISampling(APIBody):
@@ -217,16 +243,14 @@ class _OpenAISampling(APIBody):
     max_tokens: Optional[MaxTokens] = None
     temperature: Optional[float] = ranged("temperature")
     top_p: Optional[float] = ranged("top_p")
-    n: int = ranged("n", 1)
-    seed: Optional[int] = ranged("seed")
-    stop: Union[Stop, Annotated[list[Stop], Field(max_length=MAX_STOP_STRINGS)], None] = None
+    n: Int = ranged("n", 1)
+    seed: OptInt = ranged("seed")
+    stop: Stops = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     presence_penalty: Optional[float] = ranged("presence_penalty")
     frequency_penalty: Optional[float] = ranged("frequency_penalty")
-    logit_bias: Optional[Annotated[dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")],
-                                        Annotated[float, Field(**LOGIT_BIAS.bounds())]],
-                                   Field(max_length=MAX_LOGIT_BIAS)]] = None
+    logit_bias: Optional[LogitBias] = None
     # OpenAI's, accepted and ignored: nothing is stored (so store: true, which promises that, is
     # refused), requests are not tracked per user, every request is served at the one tier there is,
     # and the radix cache finds shared prefixes without a key.
@@ -237,12 +261,12 @@ class _OpenAISampling(APIBody):
     prompt_cache_key: Optional[str] = None
     safety_identifier: Optional[str] = None
     # SGLang extensions.
-    top_k: Optional[int] = ranged("top_k")
+    top_k: OptInt = ranged("top_k")
     min_p: Optional[float] = ranged("min_p")
     repetition_penalty: Optional[float] = ranged("repetition_penalty")
-    min_tokens: Optional[int] = ranged("min_new_tokens")
+    min_tokens: OptInt = ranged("min_new_tokens")
     ignore_eos: bool = False
-    stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
+    stop_token_ids: Optional[StopTokenIds] = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     regex: Optional[Grammar] = None                  # SGLang's grammar constraints (one at most: REFUSED)
@@ -308,7 +332,7 @@ class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_ITEMS)
     max_completion_tokens: Optional[MaxTokens] = None
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    top_logprobs: Optional[integer(ge=0, le=20)] = None
     tools: Optional[Annotated[list[Tool], Items]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None       # default: true, as OpenAI's
@@ -326,19 +350,56 @@ class CompletionRequest(_OpenAISampling):
     prompt: Union[PromptText, Annotated[list[PromptText], Prompts], TokenIds, Annotated[list[TokenIds], Prompts]]
     echo: bool = False
     suffix: Optional[Literal[""]] = None
-    logprobs: Optional[int] = Field(default=None, ge=0, le=20)     # alternatives per token (OpenAI: at most 5)
+    logprobs: Optional[integer(ge=0, le=20)] = None     # alternatives per token (OpenAI: at most 5)
     best_of: Optional[_only(1)] = None
+
+
+class SGLangSampling(APIBody):
+    """/generate's sampling_params: SGLang's names (engine/sampling_params.py); null is the default."""
+    REFUSED = grammar_refused(CONSTRAINTS, "min_new_tokens")
+    max_new_tokens: OptInt = ranged("max_new_tokens")
+    min_new_tokens: OptInt = ranged("min_new_tokens")
+    temperature: Optional[float] = ranged("temperature")
+    top_p: Optional[float] = ranged("top_p")
+    top_k: OptInt = ranged("top_k")
+    min_p: Optional[float] = ranged("min_p")
+    frequency_penalty: Optional[float] = ranged("frequency_penalty")
+    presence_penalty: Optional[float] = ranged("presence_penalty")
+    repetition_penalty: Optional[float] = ranged("repetition_penalty")
+    stop: Stops = None
+    stop_token_ids: Optional[StopTokenIds] = None
+    ignore_eos: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    no_stop_trim: Optional[bool] = None
+    seed: OptInt = ranged("seed")
+    sampling_seed: OptInt = ranged("seed")        # SGLang's newer spelling
+    n: OptInt = ranged("n")
+    logit_bias: Optional[LogitBias] = None
+    json_schema: Optional[Grammar] = None
+    regex: Optional[Grammar] = None
+    ebnf: Optional[Grammar] = None
+    structural_tag: Optional[Grammar] = None
+    prediction: Union[Text, TokenIds, None] = None
+
+
+# With one prompt, sampling_params is one object, or a list of one.
+_ONE_PROMPT = [{"required": [key], "properties": {key: single}} for key, single in
+               (("text", {"type": "string"}), ("input_ids", {"type": "array", "items": {"type": "integer"}}))]
 
 
 class GenerateRequest(APIBody):
     """SGLang's /generate: one prompt or a batch, as text or token ids."""
-    REFUSED = [{"oneOf": [{"required": [key], "properties": {key: GIVEN}} for key in ("text", "input_ids")]}]
+    REFUSED = [{"oneOf": [{"required": [key], "properties": {key: GIVEN}} for key in ("text", "input_ids")]},
+               {"not": {"anyOf": _ONE_PROMPT, "required": ["sampling_params"], "properties": {
+                   "sampling_params": {"type": "array", "not": {"minItems": 1, "maxItems": 1}}}}}]
     text: Union[PromptText, Annotated[list[PromptText], Prompts], None] = None
     input_ids: Union[TokenIds, Annotated[list[TokenIds], Prompts], None] = None
-    sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None   # a list: one per prompt
+    # A list: one per prompt.
+    sampling_params: Union[SGLangSampling, Annotated[list[SGLangSampling], Prompts], None] = None
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = Field(default=0, ge=0, le=20)
+    top_logprobs_num: integer(ge=0, le=20) = 0
     return_text_in_logprobs: bool = False
     # SGLang's, which sglang-router sends at their defaults: any model name is served by this one, and
     # request metrics are not logged per request here whatever log_metrics says.
@@ -350,3 +411,10 @@ class GenerateRequest(APIBody):
     return_bytes: No = False
     return_entropy: No = False
     prediction: Optional[Prediction] = None          # Predicted Outputs, as on /v1/chat/completions
+
+    def sampling(self) -> Union[dict[str, Any], list[dict[str, Any]]]:
+        """sampling_params as the engine takes them, with the prediction given beside them."""
+        given = self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params]
+        extra = {"prediction": self.prediction.text()} if self.prediction is not None else {}
+        out = [(s.model_dump(exclude_none=True) if s else {}) | extra for s in given]
+        return out if isinstance(self.sampling_params, list) else out[0]

@@ -64,14 +64,13 @@ class Serving:
             raise APIError(400, f"The model {self.model_name!r} has no chat template; use /v1/completions with "
                                 "a plain prompt.", param="messages")
         turns = []
-        for i, m in enumerate(messages):
+        for m in messages:
             content = m.content
             if isinstance(content, list):
                 content = "".join(p.text for p in content)
             turn = {"role": m.role, "content": content or ""} | ({"name": m.name} if m.name else {})
             if m.tool_calls:
-                turn["tool_calls"] = [_template_call(c, f"messages.{i}.tool_calls.{j}.function.arguments")
-                                      for j, c in enumerate(m.tool_calls)]
+                turn["tool_calls"] = [_template_call(c) for c in m.tool_calls]
             if m.tool_call_id is not None:
                 turn["tool_call_id"] = m.tool_call_id
             turns.append(turn)
@@ -106,7 +105,7 @@ class Serving:
                 self.check_max_tokens(params.max_new_tokens, names.get("max_new_tokens", "max_new_tokens"))
             if params.n > self.args.max_n:
                 raise APIError(400, f"n is {params.n}, more choices than this server gives one request "
-                                    f"({self.args.max_n}, --max-n).", param="n")
+                                    f"({self.args.max_n}, --max-n).", param=names.get("n", "n"))
             plan.append((list(ids), params))
         self.check_count(sum(params.n for _, params in plan), "n")
         base = uuid.uuid4().hex[:16]
@@ -227,10 +226,13 @@ def _renamed(exc: RequestError, names: dict[str, str]) -> RequestError:
     return RequestError(str(exc).replace(exc.param, names[exc.param], 1), names[exc.param])
 
 
-def _template_call(call, param: str) -> dict:
-    """An OpenAI tool call as chat templates read it: arguments as an object, not JSON text."""
+def _template_call(call) -> dict:
+    """An OpenAI tool call as chat templates read it: arguments as an object where they are a JSON object.
+    Else they stay text, as the model wrote them: OpenAI takes back whatever a model generated."""
     try:
         arguments = json.loads(call.function.arguments)
     except ValueError:
-        raise APIError(400, f"{param} must be JSON text, got {call.function.arguments[:80]!r}.", param=param) from None
+        arguments = None
+    if not isinstance(arguments, dict):
+        arguments = call.function.arguments
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
