@@ -34,13 +34,13 @@ def _declare(library: ctypes.CDLL) -> None:
 
 _kernel = Kernel("cpu_w4a8.c", _declare,
                  "the w4a8 CPU kernel is unavailable (%s): --quantization auto serves GGUF files as int4 or "
-                 "w8a8_int8 instead (slower decoding); install a C compiler (gcc) or set CC")
+                 "w8a8_int8 instead (slower decoding); install a C compiler (gcc) or set CC",
+                 detail=lambda lib: lib.spec_w4a8_kernel().decode())
 library, failure = _kernel.library, _kernel.failure
 
 
 def kernel_name() -> Optional[str]:
-    lib = library()
-    return lib.spec_w4a8_kernel().decode() if lib is not None else None
+    return _kernel.detail()
 
 
 def empty(out_features: int, in_features: int, bits: int, k_scales: bool = False

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from spec_kernels import cpu_argmax
+from tests.compiler import needs_compiler
 
-pytestmark = pytest.mark.skipif(cpu_argmax._kernel.library() is None, reason="no C compiler")
+pytestmark = needs_compiler
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 49152), (3, 151936), (5, 17), (2, 1), (4, 33)])

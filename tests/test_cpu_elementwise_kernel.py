@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from spec_kernels import cpu_elementwise
+from tests.compiler import needs_compiler
 
-pytestmark = pytest.mark.skipif(cpu_elementwise.library() is None, reason="no C compiler")
+pytestmark = needs_compiler
 
 
 def test_rms_norm_is_transformers_rmsnorm_in_bf16():

@@ -9,8 +9,9 @@ import torch
 from engine.loader import gguf_quant
 from engine.models.quant import Int8GroupLinear, Q5KLinear, Q6KLinear, W4A8Linear
 from spec_kernels import cpu_w4a8
+from tests.compiler import needs_compiler
 
-pytestmark = pytest.mark.skipif(cpu_w4a8.library() is None, reason="no C compiler")
+pytestmark = needs_compiler
 
 
 def layer(n: int, k: int, seed: int = 0, form: str = "4"):

@@ -8,11 +8,11 @@ import torch
 import engine.model_runner as model_runner
 from engine.models import fused_decode
 from spec_kernels import cpu_decoder, cpu_w4a8
+from tests.compiler import needs_compiler
 from tests.test_speculative_lossless import prompts as lossless_prompts
 from tests.tiny import make_model, tiny_engine
 
-pytestmark = pytest.mark.skipif(cpu_decoder.library() is None or cpu_w4a8.library() is None,
-                                reason="no C compiler")
+pytestmark = needs_compiler
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 
 

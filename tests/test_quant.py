@@ -12,6 +12,7 @@ import torch
 from engine.loader import gguf_quant
 from engine.models.quant import Int4Linear, Int8Embedding, Int8GroupLinear, W4A8Linear, W8A8Linear, quantize_rows
 from spec_kernels import cpu_w4a8
+from tests.compiler import require
 from tests.test_loader import assert_converted_as_transformers_reads, gguf_tokenizer, tiny_llama, write_tiny_gguf
 from tests.test_speculative_lossless import ALGOS, draft_setup, prompts as lossless_prompts
 from tests.tiny import make_model, tiny_engine
@@ -206,8 +207,7 @@ def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tie, tmp_path, monk
     from engine.loader import convert_gguf, iter_weights
     from engine.models.quant import GroupEmbedding, MixedLinear, Q5KLinear, Q6KLinear
 
-    if cpu_w4a8.library() is None:
-        pytest.skip("no C compiler")
+    require(cpu_w4a8._kernel)
     monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
     tokenizer = gguf_tokenizer()
     model = tiny_llama(len(tokenizer), tie=tie, hidden_size=256, intermediate_size=512)   # K quants: rows of 256s
@@ -264,8 +264,8 @@ def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tie, tmp_path, monk
 def test_draft_quantization_quantizes_the_draft_and_stays_lossless(kind, algo, target, tmp_path):
     """--speculative-draft-model-quantization acts on the draft's layers (a head's too); the output is
     still the plain target's."""
-    if kind == "w4a8" and cpu_w4a8.library() is None:
-        pytest.skip("no C compiler")
+    if kind == "w4a8":
+        require(cpu_w4a8._kernel)
     prompts = lossless_prompts()
     expected = [o["output_ids"] for o in tiny_engine(target).generate(input_ids=prompts, sampling_params=GREEDY)]
     eng = tiny_engine(target, algo, tree=(3, 2, 6), speculative_draft_model_quantization=kind,
@@ -283,8 +283,7 @@ def test_auto_runs_a_head_in_w4a8_beside_a_w4a8_target(target_kind, head_kind, w
     """--speculative-draft-model-quantization auto: an EAGLE-3 head's layers, fc and own lm_head run in
     w4a8 when the target does, in the checkpoint's own weights otherwise or with none; the output is the
     target's either way."""
-    if cpu_w4a8.library() is None:
-        pytest.skip("no C compiler")
+    require(cpu_w4a8._kernel)
     eng = tiny_engine(target, "EAGLE3", quantization=target_kind, speculative_draft_model_quantization=head_kind,
                       **draft_setup("EAGLE3", target, tmp_path))
     draft = eng._scheduler.worker.drafter.model

@@ -13,6 +13,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import RequestError
 from engine.sampling import SamplingBatch, keys, sample_from_probs, uniform
 from engine.sampling_params import SamplingParams
+from tests.compiler import require
 from tests.tiny import target_probs
 
 LOGITS = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
@@ -111,8 +112,7 @@ def test_keyed_sample_kernel_equals_its_torch_reference(vocab):
     peaked, flat and truncated rows alike (a vocabulary not a multiple of the kernel's lanes too)."""
     from spec_kernels import cpu_keyed_sample
 
-    if cpu_keyed_sample._kernel.library() is None:
-        pytest.fail(f"the keyed-sampling kernel did not build: {cpu_keyed_sample._kernel.failure()}")
+    require(cpu_keyed_sample._kernel)
     g = torch.Generator().manual_seed(vocab)
     rows = [torch.softmax(torch.randn(32, vocab, generator=g) * scale, -1) for scale in (0.1, 3.0, 12.0)]
     truncated = rows[1].clone()
