@@ -13,6 +13,7 @@ never convert should not pay.
 
 from __future__ import annotations
 
+import functools
 import glob
 import logging
 import os
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError
+from engine.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -73,15 +75,17 @@ def convert_gguf(gguf_path: Path) -> Path:
 
 @contextmanager
 def _parse_once():
-    """Make every `gguf.GGUFReader(path)` in this block share one parsed reader per file.
+    """Make every `gguf.GGUFReader(path)` in this block share one parsed reader per file, and every
+    `gguf.get_tensor_name_map(arch, layers)` one map.
 
     transformers parses the whole header again for the config, the tensors and the tokenizer's
-    config; with a 150k-token vocabulary each parse takes ~20 s on CPU, most of a conversion.
-    It looks `gguf.GGUFReader` up at call time, so swapping the attribute is enough.
+    config; with a 150k-token vocabulary each parse takes ~20 s on CPU, most of a conversion. It also
+    builds the tensor-name map again for each of the model's modules (hundreds; seconds in all). It
+    looks both up at call time, so swapping the attributes is enough.
     """
     import gguf
 
-    original, readers = gguf.GGUFReader, {}
+    original, original_map, readers = gguf.GGUFReader, gguf.get_tensor_name_map, {}
 
     def shared_reader(path, *args, **kwargs):
         key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
@@ -89,11 +93,11 @@ def _parse_once():
             readers[key] = original(path, *args, **kwargs)
         return readers[key]
 
-    gguf.GGUFReader = shared_reader
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(original_map)
     try:
         yield
     finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader, gguf.get_tensor_name_map = original, original_map
 
 
 def _stored_dtype(path: Path) -> torch.dtype:
@@ -172,7 +176,7 @@ def _write_tensors(path: Path, config, skeleton, dtype: torch.dtype, out: Path) 
     written = set()
     with SafetensorsWriter(out / "model.safetensors", count, longest) as floats, \
             SafetensorsWriter(out / QUANT_FILE, 4 * count, longest) as stored:
-        for tensor in reader.tensors:
+        for tensor in progress(reader.tensors, f"converting {path.name}"):
             kind, data = tensor.tensor_type.name, tensor.data
             found = _row_order(processor, tensor.name, data.shape[0], context) \
                 if gguf_quant.decodable(kind) and data.ndim == 2 else None
