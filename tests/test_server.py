@@ -828,6 +828,7 @@ def test_max_tokens_past_what_the_prompt_leaves_ends_with_length(small):
     ("/generate", "GenerateRequest", {"input_ids": [1, -1]}),
     ("/v1/completions", "CompletionRequest", {"prompt": [1, 2.5]}),
     ("/v1/completions", "CompletionRequest", {"prompt": [1], "logit_bias": {"": None}}),
+    ("/v1/completions", "CompletionRequest", {"prompt": [1], "logit_bias": {"99999999": 1.0}}),
 ])
 def test_the_schema_refuses_what_the_server_refuses(small, route, schema, body):
     """openapi.json and the validators agree: a body the server answers 400 is one the schema rejects."""

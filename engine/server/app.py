@@ -100,6 +100,11 @@ def _served_limits(schemas: dict, serving: Serving) -> None:
             elif option.get("type") == "array":
                 cap_token_ids(items)
 
+    def cap_logit_bias(node) -> None:
+        for option in node.get("anyOf", [node]):
+            if "patternProperties" in option:
+                option["patternProperties"] = {below(vocab): next(iter(option["patternProperties"].values()))}
+
     def cap_prompts(node) -> None:
         for option in node.get("anyOf", [node]):
             if option.get("type") == "array" and option.get("items", {}).get("type") != "integer":
@@ -111,6 +116,7 @@ def _served_limits(schemas: dict, serving: Serving) -> None:
         for key in ("max_tokens", "max_completion_tokens", "max_new_tokens"):
             if key in props:
                 cap_integers(props[key], context)
+        cap_logit_bias(props["logit_bias"])
     for node in (schemas["CompletionRequest"]["properties"]["prompt"], schemas["GenerateRequest"]["properties"]["text"],
                  schemas["GenerateRequest"]["properties"]["input_ids"]):
         cap_prompts(node)
@@ -125,6 +131,20 @@ def _served_limits(schemas: dict, serving: Serving) -> None:
 
 # /generate's errors name sampling parameters where the body holds them.
 SAMPLING_NAMES = {f.name: f"sampling_params.{f.name}" for f in dataclasses.fields(SamplingParams)}
+
+
+def below(n: int) -> str:
+    """A regex for the decimal integers in [0, n), without leading zeros (logit_bias keys: token ids)."""
+    top = str(n - 1)
+    alternatives = ["0"] + ([f"[1-9][0-9]{{0,{len(top) - 2}}}"] if len(top) > 1 else [])
+    for i, digit in enumerate(top):
+        low, high = (1 if i == 0 else 0), int(digit) - 1
+        rest = len(top) - i - 1
+        if high >= low:
+            alternatives.append(top[:i] + (f"[{low}-{high}]" if high > low else str(low))
+                                + (f"[0-9]{{{rest}}}" if rest else ""))
+    alternatives.append(top)
+    return f"^({'|'.join(dict.fromkeys(alternatives))})$"
 
 
 def _router(serving: Serving) -> APIRouter:

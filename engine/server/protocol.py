@@ -207,7 +207,17 @@ def ranged(name: str, default: Any = None) -> Any:
 
 MaxTokens = integer(ge=1, le=INT_MAX)
 Stop = Annotated[StopText, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-Grammar = Annotated[StopText, Field(min_length=1)]
+
+
+def grammar(language: str) -> Any:
+    """A grammar's text. Its format names the language, since a schema cannot say which texts compile
+    (fuzzers learn them from benchmarks/schemathesis_formats.py). Regexes are xgrammar's dialect, not
+    JSON Schema's `regex` format (ECMA 262)."""
+    return Annotated[StopText, Field(min_length=1, json_schema_extra={"format": language})]
+
+
+Regex, EBNF, JSONSchemaText, StructuralTag = (grammar(x) for x in ("xgrammar-regex", "ebnf", "json-schema",
+                                                                     "structural-tag"))
 
 
 # Pieces of REFUSED clauses.
@@ -269,9 +279,9 @@ class _OpenAISampling(APIBody):
     stop_token_ids: Optional[StopTokenIds] = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    regex: Optional[Grammar] = None                  # SGLang's grammar constraints (one at most: REFUSED)
-    ebnf: Optional[Grammar] = None
-    json_schema: Optional[Grammar] = None
+    regex: Optional[Regex] = None                    # SGLang's grammar constraints (one at most: REFUSED)
+    ebnf: Optional[EBNF] = None
+    json_schema: Optional[JSONSchemaText] = None
     return_hidden_states: No = False     # SGLang's; sglang-router sends its default
     prediction: Optional[Prediction] = None          # OpenAI's on chat; the same shape on completions
 
@@ -376,10 +386,10 @@ class SGLangSampling(APIBody):
     sampling_seed: OptInt = ranged("seed")        # SGLang's newer spelling
     n: OptInt = ranged("n")
     logit_bias: Optional[LogitBias] = None
-    json_schema: Optional[Grammar] = None
-    regex: Optional[Grammar] = None
-    ebnf: Optional[Grammar] = None
-    structural_tag: Optional[Grammar] = None
+    json_schema: Optional[JSONSchemaText] = None
+    regex: Optional[Regex] = None
+    ebnf: Optional[EBNF] = None
+    structural_tag: Optional[StructuralTag] = None
     prediction: Union[Text, TokenIds, None] = None
 
 
