@@ -112,8 +112,8 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     device = resolve_device(args.device)
     check_backend(args.attention_backend, device, args.enable_deterministic_inference)   # before any file is read
     if device == "cpu":     # every kernel ready before the first request, and said which
-        from spec_kernels.native import build_all
-        log.info(build_all(lambda kernels: progress(kernels, "CPU kernels (built once per machine)")))
+        from spec_kernels.native import KERNELS, build_all
+        log.info(build_all(lambda built: progress(built, "CPU kernels (built once per machine)", len(KERNELS))))
     model_dir = resolve_model_path(args.model_path, args.revision, args.trust_remote_code)
     config = load_config(model_dir, args.trust_remote_code)
     max_pos = model_max_positions(config)

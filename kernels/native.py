@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple, Optional
 
@@ -58,6 +59,10 @@ class Toolchain(NamedTuple):
         return f"{self.version} ({platform.machine()}, {'OpenMP' if self.openmp else 'no OpenMP: one thread'})"
 
 
+_TRIVIAL = "int f(void) { return 0; }\n"
+_OPENMP_PROBE = "#include <omp.h>\nint f(void) { return omp_get_max_threads(); }\n"
+
+
 def _compiles(command: list[str], flags: list[str], source: str) -> bool:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "probe.c"
@@ -87,15 +92,11 @@ def _toolchain(cc: Optional[str]) -> Toolchain:
     base = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
     arch = platform.machine().lower()
     wanted = [["-march=native"]] if arch in ("x86_64", "amd64", "i686") else [["-mcpu=native"], ["-march=native"]]
-    tuning = next((f for f in wanted if _compiles(command, base + f, "int f(void) { return 0; }")), [])
-    if "avx512f" in _cpu_flags().split() and _compiles(command, base + tuning + ["-mprefer-vector-width=512"],
-                                                       "int f(void) { return 0; }"):
+    tuning = next((f for f in wanted if _compiles(command, base + f, _TRIVIAL)), [])
+    if "avx512f" in _cpu_flags().split() and _compiles(command, base + tuning + ["-mprefer-vector-width=512"], _TRIVIAL):
         tuning = tuning + ["-mprefer-vector-width=512"]
     openmp = ["-fopenmp"] if _compiles(command, base + ["-fopenmp"], _OPENMP_PROBE) else []
     return Toolchain(command, (run.stdout.splitlines() or ["?"])[0].strip(), base + tuning + openmp)
-
-
-_OPENMP_PROBE = "#include <omp.h>\nint f(void) { return omp_get_max_threads(); }\n"
 
 
 def toolchain() -> Toolchain:
@@ -124,12 +125,15 @@ def _build(sources: list[Path]) -> ctypes.CDLL:
 
 
 def build_all(track: Callable[[Iterable], Iterable] = iter) -> str:
-    """Builds (or loads from the cache) every C kernel, over `track(kernels)` (a progress display);
-    returns the one line saying which run, on what, and which fall back and why. A kernel's own warning
-    names its fallback."""
+    """Builds (or loads from the cache) every C kernel, one compiler per core, the builds seen through
+    `track` (a progress display) as they end; returns the one line saying which run, on what, and which
+    fall back and why. A kernel's own warning names its fallback."""
+    kernels = {name: importlib.import_module(f"spec_kernels.{module}")._kernel for module, name in KERNELS.items()}
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        for _ in track(as_completed([pool.submit(kernel.library) for kernel in kernels.values()])):
+            pass
     built, failed = [], {}
-    for module, name in track(list(KERNELS.items())):
-        kernel = importlib.import_module(f"spec_kernels.{module}")._kernel
+    for name, kernel in kernels.items():
         if kernel.library() is not None:
             built.append(name + (f" [{kernel.detail()}]" if kernel.detail() else ""))
         else:

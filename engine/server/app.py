@@ -103,7 +103,7 @@ def _served_limits(schemas: dict, serving: Serving) -> None:
     def cap_logit_bias(node) -> None:
         for option in node.get("anyOf", [node]):
             if "patternProperties" in option:
-                option["patternProperties"] = {below(vocab): next(iter(option["patternProperties"].values()))}
+                option["patternProperties"] = {_ids_below(vocab): next(iter(option["patternProperties"].values()))}
 
     def cap_prompts(node) -> None:
         for option in node.get("anyOf", [node]):
@@ -133,7 +133,7 @@ def _served_limits(schemas: dict, serving: Serving) -> None:
 SAMPLING_NAMES = {f.name: f"sampling_params.{f.name}" for f in dataclasses.fields(SamplingParams)}
 
 
-def below(n: int) -> str:
+def _ids_below(n: int) -> str:
     """A regex for the decimal integers in [0, n), without leading zeros (logit_bias keys: token ids)."""
     top = str(n - 1)
     alternatives = ["0"] + ([f"[1-9][0-9]{{0,{len(top) - 2}}}"] if len(top) > 1 else [])

@@ -7,8 +7,8 @@ the schema says exactly what passes. Fields that change nothing about the answer
 (`store: false`, `metadata`, `service_tier`, `user`, `prompt_cache_key`, `safety_identifier`) are
 accepted and ignored, as stock clients send them.
 Types are strict, as OpenAI's are: `"5"` is not an integer, `1` is not a boolean; `5.0` is the
-integer 5, as JSON Schema counts it (`5.5` is refused). Ranges are checked once, by SamplingParams; text is checked here for what no tokenizer
-can take.
+integer 5, as JSON Schema counts it (`5.5` is refused). Ranges are checked once, by SamplingParams;
+text is checked here for what no tokenizer can take.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from engine.sampling_params import (CONSTRAINTS, INT_MAX, LOGIT_BIAS, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
-                                    MAX_STOP_TOKEN_IDS, RANGES, text_problem)
+from engine.sampling_params import (CONSTRAINTS, INT_MAX, LOGIT_BIAS, MAX_LOGIT_BIAS, MAX_STOP_CHARS,
+                                    MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES, text_problem)
 
 
 def _checked(allow_nul: bool):
@@ -234,7 +234,8 @@ def together(**conditions: dict) -> dict:
 def grammar_refused(grammars: tuple[str, ...], min_tokens: str) -> list[dict]:
     """One grammar at a time, and the grammar decides where the output ends (engine/sampling_params.py)."""
     return [together(**{a: GIVEN, b: GIVEN}) for i, a in enumerate(grammars) for b in grammars[i + 1:]] + [
-        together(**{g: GIVEN, other: value}) for g in grammars for other, value in (("ignore_eos", ON), (min_tokens, SOME))]
+        together(**{g: GIVEN, other: value})
+        for g in grammars for other, value in (("ignore_eos", ON), (min_tokens, SOME))]
 
 
 GRAMMARS = ("regex", "ebnf", "json_schema")

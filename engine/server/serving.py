@@ -231,7 +231,7 @@ def _template_call(call) -> dict:
     Else they stay text, as the model wrote them: OpenAI takes back whatever a model generated."""
     try:
         arguments = json.loads(call.function.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):        # not JSON, or nested past the parser
         arguments = None
     if not isinstance(arguments, dict):
         arguments = call.function.arguments
