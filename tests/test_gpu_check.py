@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow          # a minute: run it (-m slow) before spending device time
 def test_cpu_dry_run_writes_its_report(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable}
     run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--cpu-dry-run", "--out", str(tmp_path)],

@@ -40,8 +40,12 @@ def target(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("target"), "llama", seed=3)
 
 
-@pytest.mark.parametrize("capture", [None, replaying_capture], ids=["padded", "replayed"])
-@pytest.mark.parametrize("algo", [None] + [a for a in ALGOS if a != "NGRAM"])   # n-gram trees vary: eager
+# n-gram trees vary: eager. Replaying graphs runs the Triton backend in its interpreter (most of a minute
+# a drafter): plain decoding's by default, the drafters' under -m slow and on a GPU (gpu_check.sh).
+@pytest.mark.parametrize("algo, capture", [
+    pytest.param(algo, capture, id=f"{algo}-{'replayed' if capture else 'padded'}",
+                 marks=[pytest.mark.slow] if capture and algo else [])
+    for capture in (None, replaying_capture) for algo in [None] + [a for a in ALGOS if a != "NGRAM"]])
 def test_bucketed_decode_is_lossless(algo, capture, target, tmp_path):
     prompts = random_prompts(5, seed=4)
     spec = {} if algo is None else draft_setup(algo, target, tmp_path)

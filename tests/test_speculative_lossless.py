@@ -69,16 +69,24 @@ def _triton() -> bool:
 @pytest.mark.parametrize("variant", [
     {"disable_radix_cache": True}, {"chunked_prefill_size": 8}, {"max_running_requests": 1},
     {"max_total_tokens": 75}, {"max_total_tokens": 160, "max_running_requests": 2, "disable_radix_cache": True},
-    {"speculative_attention_mode": "decode"},
-    pytest.param({"attention_backend": "triton"}, marks=pytest.mark.skipif(not _triton(), reason="no triton"))],
-    ids=["radix-off", "chunked", "batch-1", "preempt", "waves-through-the-pool", "tree-as-decode-rows",
-         "triton-kernels"])
+    {"speculative_attention_mode": "decode"}],
+    ids=["radix-off", "chunked", "batch-1", "preempt", "waves-through-the-pool", "tree-as-decode-rows"])
 def test_greedy_identical_under_scheduling_variants(algo, variant, target, tmp_path, plain_outputs):
     eng = spec_engine(algo, target, tmp_path, (3, 2, 6), **variant)
     outs = eng.generate(input_ids=prompts(), sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == plain_outputs
     if variant.get("max_total_tokens") == 75:
         assert eng.stats()["retractions"] > 0
+
+
+@pytest.mark.skipif(not _triton(), reason="no triton")
+@pytest.mark.parametrize("algo", [a if a == "NGRAM" else pytest.param(a, marks=pytest.mark.slow) for a in ALGOS])
+def test_greedy_identical_through_the_triton_kernels(algo, target, tmp_path, plain_outputs):
+    """The GPU's attention kernels, run by Triton's interpreter on the CPU (a minute an algorithm: NGRAM's
+    tree by default, every algorithm under -m slow and on a GPU in benchmarks/gpu_check.sh)."""
+    eng = spec_engine(algo, target, tmp_path, (3, 2, 6), attention_backend="triton")
+    outs = eng.generate(input_ids=prompts(), sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == plain_outputs
 
 
 @pytest.mark.parametrize("algo", ALGOS)
