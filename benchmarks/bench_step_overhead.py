@@ -7,9 +7,8 @@ Greedy, fp32, MT-Bench first turns through the chat template, `--max-new-tokens`
 of a batch admitted together. Every decode step is timed as a whole (`Engine.step`) and, inside it, the
 time spent in the target model's forward and lm_head (the draft model's too, for model-based drafts);
 the rest is host time, split in two: the worker's (batch building, drafting bookkeeping, sampling,
-verification, the host copy: inside `Worker.forward`, which the overlap scheduler runs on its forward
-thread) and the scheduler's (applying the previous step, scheduling, slot allocation: what the overlap
-scheduler runs while a forward runs). Printed per (algorithm, batch size): median step ms, median model
+verification, the host copy: inside `Worker.forward`) and the scheduler's (applying the previous step,
+scheduling, slot allocation). Printed per (algorithm, batch size): median step ms, median model
 ms, median worker and scheduler host ms, and the host share of all steps' time.
 
 With --other-checkout DIR the same measurement runs in a subprocess on DIR's engine (another commit's

@@ -141,12 +141,11 @@ class ServerArgs:
     num_threads: Optional[int] = field(default=None, metadata=opt(
         "CPU threads for torch. Default: torch's choice (all cores).", group="Memory and scheduling"))
     enable_overlap_schedule: bool = field(default=False, metadata=opt(
-        "Overlap scheduler (SGLang's spec v2; also on with SGLANG_ENABLE_SPEC_V2=1 or SPEC_ENABLE_SPEC_V2=1): each "
-        "step's forward runs on a thread of its own while the previous step's tokens are turned into text and "
-        "handed to the caller. Same outputs. With speculative decoding, chains only (--speculative-eagle-topk 1), "
-        "as SGLang's spec v2.", group="Memory and scheduling"))
+        "SGLang's overlap scheduler: refused. spec runs each step after the previous one is applied; "
+        "overlapping them brought no measurable gain on a CPU (docs/serving.md#step-order).",
+        group="Memory and scheduling"))
     disable_overlap_schedule: bool = field(default=False, metadata=opt(
-        "SGLang's switch: no overlap scheduler, even with SGLANG_ENABLE_SPEC_V2 set (off is spec's default).",
+        "SGLang's switch to run steps in order, which is what spec always does: accepted, changes nothing.",
         group="Memory and scheduling"))
 
     # --- Speculative decoding ----------------------------------------------------------------------
@@ -168,7 +167,7 @@ class ServerArgs:
         flags=("--speculative-num-steps", "--steps"), group="Speculative decoding"))
     speculative_eagle_topk: Optional[int] = field(default=None, metadata=opt(
         "Branching: children kept per draft node per step (1 = a chain). NGRAM: a cap on the breadth flags' "
-        "children, --speculative-ngram-max-bfs-breadth when left out (1 under the overlap scheduler).",
+        "children, --speculative-ngram-max-bfs-breadth when left out.",
         flags=("--speculative-eagle-topk", "--topk"), group="Speculative decoding"))
     speculative_num_draft_tokens: Optional[int] = field(default=None, metadata=opt(
         "Tree size: tokens verified per step, including the root (at most topk + (steps-1)*topk^2 + 1, "
@@ -287,7 +286,7 @@ class ServerArgs:
     def __post_init__(self) -> None:
         self._check_ranges()
         self._check_determinism()
-        self._resolve_overlap()
+        self._check_overlap()
         self._check_speculative()
         self._check_parallelism()
 
@@ -332,11 +331,10 @@ class ServerArgs:
             raise ConfigError("--enable-deterministic-inference and --disable-deterministic-inference contradict each "
                               "other; pass one.")
 
-    def _resolve_overlap(self) -> None:
-        if self.enable_overlap_schedule and self.disable_overlap_schedule:
-            raise ConfigError("--enable-overlap-schedule and --disable-overlap-schedule contradict each other; pass one.")
-        if spec_v2_env() and not self.disable_overlap_schedule:
-            object.__setattr__(self, "enable_overlap_schedule", True)
+    def _check_overlap(self) -> None:
+        if self.enable_overlap_schedule:
+            raise ConfigError("--enable-overlap-schedule: spec has no overlap scheduler; it runs each step after the "
+                              "previous one is applied (docs/serving.md#step-order). Drop the flag.")
 
     def _check_speculative(self) -> None:
         algo = self.speculative_algorithm
@@ -371,11 +369,6 @@ class ServerArgs:
             tree = self._ngram_tree(*tree)
             for name, value in zip(_TREE_FIELDS, tree):
                 object.__setattr__(self, name, value)
-        if self.enable_overlap_schedule and tree[1] not in (None, 1):
-            steps = f" with --speculative-num-draft-tokens {tree[0] + 1}" if tree[0] else ""
-            raise ConfigError(f"The overlap scheduler ({spec_v2_env() or '--enable-overlap-schedule'}) takes chain drafts "
-                              f"only, as SGLang's spec v2: pass --speculative-eagle-topk 1{steps}, or turn it off "
-                              "(--disable-overlap-schedule).")
         given = [v is not None for v in tree]
         if any(given) and not all(given):
             raise ConfigError("Set --speculative-num-steps, --speculative-eagle-topk and "
@@ -411,9 +404,6 @@ class ServerArgs:
         if self.tp_size > 1 and self.speculative_token_map:
             raise ConfigError("--speculative-token-map cannot be used with --tp-size > 1 yet: an FR-Spec map picks rows "
                               "of the whole lm_head, which tensor parallelism splits over the ranks. Drop one of them.")
-        if self.enable_overlap_schedule and self.tp_size > 1:
-            raise ConfigError("The overlap scheduler runs with --tp-size 1 only so far (tensor-parallel forwards from "
-                              "its thread are untested); drop --tp-size, or turn it off (--disable-overlap-schedule).")
         if self.router_policy is not None and self.dp_size == 1:
             raise ConfigError("--router-policy chooses among --dp-size replicas; it needs --dp-size 2 or more.")
 
@@ -423,7 +413,7 @@ class ServerArgs:
         --speculative-ngram-max-bfs-breadth, --speculative-ngram-max-match-window-size tokens; the depth
         (SGLang's is bound only by its trie) as deep as the tree size allows."""
         if topk is None:
-            topk = 1 if self.enable_overlap_schedule else self.speculative_ngram_max_bfs_breadth
+            topk = self.speculative_ngram_max_bfs_breadth
         if draft_tokens is None:
             cap = max_draft_tokens(steps, topk) if steps else 256
             window = self.speculative_ngram_max_match_window_size
@@ -477,8 +467,6 @@ class ServerArgs:
             changes.update(zip(_TREE_FIELDS, tree))
         if self.speculative_algorithm and self.speculative_num_steps is None and "speculative_num_steps" not in changes:
             steps, topk, tokens = AUTO_TREE_CPU if device == "cpu" else sglang_auto_tree(model_config.model_type)
-            if self.enable_overlap_schedule:        # chains only: the same depth, topk 1
-                topk, tokens = 1, steps + 1
             log.info("auto tree%s: %d steps, topk %d, %d draft tokens (pass all three tree flags to choose; "
                      "spec tune finds the fastest)", " on a CPU" if device == "cpu" else "", steps, topk, tokens)
             changes.update(zip(_TREE_FIELDS, (steps, topk, tokens)))
@@ -603,21 +591,6 @@ _ALIASES = {
 def model_max_positions(model_config) -> int:
     """The positions the target was trained for (4096 when its config does not say)."""
     return getattr(model_config, "max_position_embeddings", None) or 4096
-
-
-# SGLang's switch for its overlap-capable speculative workers, and spec's own spelling of it.
-SPEC_V2_ENV = ("SPEC_ENABLE_SPEC_V2", "SGLANG_ENABLE_SPEC_V2")
-
-
-def spec_v2_env() -> Optional[str]:
-    """The name of the spec-v2 environment variable set to a true value, or None."""
-    for name in SPEC_V2_ENV:
-        value = os.environ.get(name, "").strip().lower()
-        if value in ("1", "true", "yes", "on"):
-            return name
-        if value not in ("", "0", "false", "no", "off"):
-            raise ConfigError(f"{name} must be 1/true or 0/false, got {os.environ[name]!r}.")
-    return None
 
 
 def _flag(name: str) -> str:

@@ -117,7 +117,6 @@ class Engine:
             changes = {**changes, "speculative_algorithm": None, "speculative_draft_model_path": None,
                        "speculative_num_steps": None, "speculative_eagle_topk": None,
                        "speculative_num_draft_tokens": None}
-        self._scheduler.drain()        # a step still in flight (overlap scheduler) whose requests ended
         if self.has_work:
             raise ConfigError("set_speculative runs between requests only; finish or abort the running ones first.")
         from engine.build import build_worker, resolve_args
@@ -358,9 +357,8 @@ class Engine:
         sched.step()
 
     def shutdown(self) -> None:
-        """abort_all, then stop the forward thread and the other tensor-parallel ranks: the engine is done."""
+        """abort_all, then stop the grammar compiler and the other tensor-parallel ranks: the engine is done."""
         self.abort_all()
-        self._scheduler.close()
         self.grammars.close()
         if self._tp:
             self._tp.stop()

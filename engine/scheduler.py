@@ -9,30 +9,20 @@ radix cache (or is freed) and they wait to resume, recomputing only what was evi
 request is dropped: one that cannot fit even alone is finished with an "abort" reason that says what
 to raise.
 
-With the overlap scheduler (--enable-overlap-schedule, SGLang's spec v2) forwards run on a thread of
-their own, and step() returns the previous step's requests while the next forward runs, so their text is
-decoded, and the caller streams them, meanwhile. A decode step is built ahead where it is sure to be the
-next one (engine/ahead.py; _launch_ahead says when it is not): while step N's forward runs, step() takes
-step N+1's KV slots, copies its requests and queues its forward behind N's; the forward thread resolves
-N+1 from N's result (tokens, cached lengths, table entries, the requests N finished left out) and runs
-it without waiting, and step() applies N once N+1 is under way. Otherwise step() applies N and then
-schedules N+1, as without overlap. Either way the worker sees the batches it would see without overlap,
-so outputs are the same. A request that ends while its step runs (an abort) gets nothing from that step,
-and its KV, which the forward may be reading, is released once the step is back.
+Data flows one way: schedule() builds a step from the requests, the worker runs it and returns a
+StepResult, apply(step, result) changes the requests; the worker never calls back. step() is that loop,
+one step at a time.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import Counter, deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
-from engine.ahead import copies, forward_ahead
 from engine.config import ServerArgs
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import DistributedError
@@ -58,15 +48,7 @@ _MAX_PARTIAL = 4
 # kernels are compute-bound past one row; on a GPU rows are nearly free until the batch is large.
 _PRIOR_ROW_COST = {"cpu": 0.12, "cuda": 0.01}
 
-
-class _InFlight(NamedTuple):
-    """A step launched on the forward thread (overlap scheduler), to apply at the next step()."""
-    items: list                                 # what it was built from (prefill plan or requests)
-    step: object                                # its PrefillStep or DecodeStep
-    result: Future                              # the worker's StepResult
-    apply: Callable                             # apply(step, result) -> the requests it touched
-    run: Callable                               # items -> touched: build, forward and apply, now
-    started: Optional[threading.Event] = None   # built ahead: set once its inputs are resolved
+Step = Union[PrefillStep, DecodeStep]
 
 
 class Scheduler:
@@ -88,12 +70,6 @@ class Scheduler:
         # What a decode forward of R rows costs here: sizes Predicted Output chains.
         self.cost = StepCost(_PRIOR_ROW_COST[device])
         self._finished_now: list[Request] = []
-        self._forwards = (ThreadPoolExecutor(1, thread_name_prefix="spec-forward")
-                          if args.enable_overlap_schedule else None)
-        self._in_flight: Optional[_InFlight] = None
-        # Ended while a step that may read their KV ran: (request, whether its drafter state is still to
-        # release: not where a step built ahead dropped it).
-        self._release_later: list[tuple[Request, bool]] = []
         self.set_worker(worker, args)
 
     def set_worker(self, worker: Worker, args: ServerArgs) -> None:
@@ -126,12 +102,8 @@ class Scheduler:
 
     @property
     def requests(self) -> list[Request]:
-        """Every request not finished: waiting, running, or in a step in flight (a prefill's, whose
-        requests join `running` when it is applied)."""
-        held = list(self.waiting) + self.running + self.prefilling
-        in_flight = self._in_flight.step.reqs if self._in_flight is not None else []
-        ids = {id(r) for r in held}
-        return held + [r for r in in_flight if not r.finished and id(r) not in ids]
+        """Every request not finished: waiting, running, or part-way through its prompt."""
+        return list(self.waiting) + self.running + self.prefilling
 
     def abort(self, rid: str, message: str = "aborted by the client", status_code: Optional[int] = None
               ) -> Optional[Request]:
@@ -143,27 +115,14 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling or self._in_flight is not None)
+        return bool(self.waiting or self.running or self.prefilling)
 
     def step(self) -> list[Request]:
-        """Run one forward's worth of work; return the requests that got tokens or finished (including
-        those finished between steps: aborted, or refused at admission). Overlap scheduler: apply the
-        step in flight, launch the next, and return the applied step's requests."""
-        flight = self._in_flight
-        self._in_flight = flight and self._launch_ahead(flight)
-        touched = self._settle(flight) if flight else []
-        if self._in_flight is not None and all(r.finished for r in self._in_flight.step.reqs):
-            self.drain()            # built ahead for requests that flight finished: it runs none of them
-        if self._in_flight is None:
-            # Running streams decode between any two prefill steps: a burst of prompts or a long one
-            # in pieces delays their next token by one prefill step, never more.
-            scheduled = [] if self._prefilled_last and self.running else self._schedule_prefill()
-            self._prefilled_last = bool(scheduled)
-            if scheduled:
-                touched += self._run_prefill(scheduled)
-            elif self.running:
-                touched += self._run_decode()
-        self._decode_text(touched)          # overlap scheduler: while the step just launched runs
+        """Schedule one step, run its forward and apply the result; return the requests that got tokens
+        or finished (including those finished between steps: aborted, or refused at admission)."""
+        step = self.schedule()
+        touched = self._run(step) if step is not None else []
+        self._decode_text(touched)
         seen = {id(r) for r in touched}
         out = touched + [r for r in self._finished_now if id(r) not in seen]
         self._finished_now = []
@@ -174,13 +133,38 @@ class Scheduler:
         # One step's transient slots (a draft tree) plus a few tokens of growth per request.
         return sum(self.worker.slots_per_request + min(r.remaining_tokens(), _RESERVE_TOKENS) for r in reqs)
 
-    def _release_kv(self, req: Request, drafter: bool = True) -> None:
-        if self._in_flight is not None:     # the forward may be reading its KV and drafter state
-            self._release_later.append((req, drafter))
+    def _release_kv(self, req: Request) -> None:
+        if req.row is None:
             return
-        if drafter:
-            self.worker.release(req)    # first: a drafter may clear state kept by the request's table row
+        self.worker.release(req)    # first: a drafter may clear state kept by the request's table row
         self.kv.release(req)
+        req.row, req.kv_len, req.prefix_len, req.radix_node = None, 0, 0, None
+
+    def _commit(self, reqs: Sequence[Request], counts: Sequence[int], slots: torch.Tensor) -> None:
+        """Commit counts[i] tokens of reqs[i], their KV at the next counts[i] of `slots`."""
+        self.kv.commit(reqs, counts, slots)
+        for req, k in zip(reqs, counts):
+            req.kv_len += k
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> Optional[Step]:
+        """This step's work, its KV slots allocated: a prefill of prompt pieces, or a decode of every
+        running request; None when there is nothing to run."""
+        # Running streams decode between any two prefill steps: a burst of prompts or a long one in
+        # pieces delays their next token by one prefill step, never more.
+        plan = [] if self._prefilled_last and self.running else self._schedule_prefill()
+        self._prefilled_last = bool(plan)
+        if plan:
+            return self._prefill_step(plan)
+        if self.running and self._make_room():
+            return self._decode_step(list(self.running))
+        return None
+
+    def apply(self, step: Step, result: StepResult) -> list[Request]:
+        """Apply a step's result: commit KV, append tokens, finish requests; return those it touched."""
+        if isinstance(step, PrefillStep):
+            return self._apply_prefill(step, result)
+        return self._apply_decode(step, result)
 
     # ------------------------------------------------------------------ prefill
     def _schedule_prefill(self) -> list[tuple[Request, int]]:
@@ -226,7 +210,9 @@ class Scheduler:
                 self.kv.unlock(node)
                 break
             self.waiting.remove(req)
-            self.kv.admit(req, prefix, node)
+            req.row = self.kv.admit(prefix)
+            req.prefix_len = req.kv_len = len(prefix)
+            req.radix_node = node
             self.stats["cached_tokens"] += len(prefix)
             if not req.num_output:
                 req.cached_tokens = len(prefix)
@@ -282,28 +268,25 @@ class Scheduler:
             reqs.sort(key=lambda r: (r.overtaken < _MAX_OVERTAKEN, -len(self.kv.match(r)[0])))
         return sorted(reqs, key=lambda r: held[r.group])      # stable: the order above breaks ties
 
-    def _run_prefill(self, plan: list[tuple[Request, int]]) -> list[Request]:
-        return self._run(plan, self._prefill_step, self._apply_prefill)
-
     def _prefill_step(self, plan: list[tuple[Request, int]]) -> PrefillStep:
         lens = [n for _, n in plan]
         return PrefillStep([r for r, _ in plan], lens, self.kv.alloc(sum(lens)))
 
     def _apply_prefill(self, step: PrefillStep, result: StepResult) -> list[Request]:
-        live = [not r.finished for r in step.reqs]
-        done = [r for i, r in enumerate(step.reqs) if live[i] and step.completes(i)]
-        self._commit(step, step.lens, torch.tensor(live).repeat_interleave(torch.tensor(step.lens)), live)
+        done = [r for i, r in enumerate(step.reqs) if step.completes(i)]
+        self._commit(step.reqs, step.lens, step.slots)
         self.stats["prefill_tokens"] += sum(step.lens)
         logprobs = result.logprobs or [None] * len(step.reqs)
         for i, req in enumerate(step.reqs):
-            if live[i]:
-                self._keep_captured(req, result, i)
-                if result.tokens[i] and not self._append(req, result.tokens[i], logprobs[i]):
-                    self.running.append(req)
+            self._keep_captured(req, result, i)
+            if result.tokens[i] and not self._append(req, result.tokens[i], logprobs[i]):
+                self.running.append(req)
         return done
 
     # ------------------------------------------------------------------ decode
-    def _run_decode(self) -> list[Request]:
+    def _make_room(self) -> bool:
+        """Free KV for a decode step of every running request (evicting cache, retracting requests);
+        False when none can run (the last one was too large and ended)."""
         per_req = self.worker.slots_per_request
         if len(self.running) > 1 and self.kv.available() < per_req * len(self.running):
             wanting = (self.running + list(self.waiting))[:self.max_running]
@@ -314,10 +297,10 @@ class Scheduler:
                 self._retract(self.prefilling[-1])      # a half-prefilled prompt loses least
             elif len(self.running) == 1:
                 self._abort_oom(self.running[0])
-                return []
+                return False
             else:
                 self._retract(self._victim())
-        return self._run(list(self.running), self._decode_step, self._apply_decode)
+        return True
 
     def _decode_step(self, reqs: list[Request]) -> DecodeStep:
         chains = self._chains(reqs)
@@ -346,145 +329,59 @@ class Scheduler:
         return chains if any(chains) else None
 
     # ------------------------------------------------------------------ running a step
-    def _run(self, items: list, build: Callable, apply: Callable) -> list[Request]:
-        """Build the step of `items`, run its forward, apply the result; return the requests it touched.
-        Overlap scheduler: launch the forward and return; the next step() applies it."""
-        if self._forwards is None:
-            return self._isolating(items, self._now(build, apply))
-        step = build(items)
-        self._in_flight = _InFlight(items, step, self._forwards.submit(self.worker.forward, step), apply,
-                                    self._now(build, apply))
-        return []
-
-    def _now(self, build: Callable, apply: Callable) -> Callable:
-        def run(items: list) -> list[Request]:
-            step = build(items)
+    def _run(self, step: Step) -> list[Request]:
+        """Run a step's forward and apply its result; return the requests it touched. When a step fails,
+        its requests that have not ended run one by one: the one that fails alone ends with an error (500)
+        and the others go on as if nothing happened."""
+        try:
             start = time.perf_counter()
             result = self._forward(step)
             if result.rows:
                 self.cost.observe(result.rows, time.perf_counter() - start)
-            return apply(step, result)
-        return run
-
-    def _launch_ahead(self, flight: _InFlight) -> Optional[_InFlight]:
-        """Overlap scheduler: queue the decode step that follows `flight` before flight's result is known
-        (engine/ahead.py), where that step is sure to be the one scheduled after it: a decode of the same
-        requests, less those flight's tokens finish. None where the next step must wait for flight's
-        result: a prefill is due (requests waiting, a prompt part-way), flight is a prefill, a request's
-        stop test needs its text (stop strings) or its grammar, a prediction's chain needs the tokens,
-        hidden states are captured, a request that ended meanwhile has drafter state to release, or KV
-        is short (only free slots are taken, so that nothing is evicted or retracted earlier than without
-        building ahead)."""
-        reqs = self.running
-        if not (isinstance(flight.step, DecodeStep) and reqs and not self.waiting and not self.prefilling
-                and [r for r in flight.step.reqs if not r.finished] == reqs and not self.worker.capture
-                and all(r.grammar is None and not r.params.stop and r.prediction is None for r in reqs)
-                and not any(drafter for _, drafter in self._release_later)
-                and self.kv.unused() >= self.worker.slots_per_request * len(reqs)):
-            return None
-        step, started = self._decode_step(list(reqs)), threading.Event()
-        launched = self._forwards.submit(forward_ahead, self.worker, self.kv.table, flight.step, flight.result,
-                                         step, copies(reqs), self._stop_reason, started)
-        return _InFlight(list(reqs), step, launched, self._apply_ahead,
-                         self._now(self._decode_step, self._apply_decode), started)
-
-    def _apply_ahead(self, step: DecodeStep, out: tuple[DecodeStep, Optional[StepResult]]) -> list[Request]:
-        ran, result = out
-        ids = {id(r) for r in ran.reqs}
-        self.kv.free(step.slots[[b for b, r in enumerate(step.reqs) if id(r) not in ids]].flatten())
-        return self._apply_decode(ran, result) if ran.reqs else []
-
-    def close(self) -> None:
-        """Stop the forward thread (overlap scheduler), after applying the step in flight."""
-        if self._forwards is not None:
-            self.drain()
-            self._forwards.shutdown()
-
-    def drain(self) -> list[Request]:
-        """Overlap scheduler: wait for the step in flight and apply it, launching none; return the
-        requests it touched."""
-        flight, self._in_flight = self._in_flight, None
-        return self._settle(flight) if flight else []
-
-    def _settle(self, flight: _InFlight) -> list[Request]:
-        """Wait for a launched step and apply it; return the requests it touched. Requests that ended
-        while it ran get nothing from it; their KV, which it may have read, is released once it is back
-        (before applying it: in the order a scheduler without overlap releases it). A step built ahead
-        of this one (in self._in_flight) is applied after once it is under way, and cancelled where this
-        one fails: its inputs never came."""
-        items, step, result, apply, run = flight[:5]
-        ahead = self._in_flight
-
-        def first(_) -> list[Request]:
-            try:
-                try:
-                    out = self._forward(step, result)
-                    if ahead is not None:
-                        ahead.started.wait()
-                finally:
-                    self._release_waiting()
-                return apply(step, out)
-            except Exception:
-                self._cancel_ahead()
-                raise
-
-        return self._isolating(items, run, first=first)
-
-    def _release_waiting(self) -> None:
-        waiting, self._release_later = self._release_later, []
-        for req, drafter in waiting:
-            if drafter:             # never while a step built ahead runs (_launch_ahead waits for these)
-                self.worker.release(req)
-            self.kv.release(req)
-
-    def _cancel_ahead(self) -> None:
-        ahead, self._in_flight = self._in_flight, None
-        if ahead is not None:
-            try:
-                ahead.result.result()
-            except Exception:
-                pass                # it ran nothing where the step it follows failed
-            self.kv.free(ahead.step.slots.flatten())
-
-    def _forward(self, step, launched: Optional[Future] = None) -> StepResult:
-        try:
-            return launched.result() if launched is not None else self.worker.forward(step)
-        except Exception:
-            self.kv.free(step.slots.flatten())      # nothing of the step was committed
-            raise
-
-    def _isolating(self, items: list, run: Callable, first: Optional[Callable] = None) -> list[Request]:
-        """(first or run)(items) -> the requests it touched. When a step fails, its requests that have
-        not ended run one by one: the one that fails alone ends with an error (500) and the others go on
-        as if nothing happened."""
-        try:
-            return (first or run)(items)
+            return self.apply(step, result)
         except DistributedError:
             raise                               # no request is to blame: the engine cannot go on
         except Exception as exc:
-            live = [item for item in items if not _request(item).finished]     # some may have been aborted
-            if len(items) > 1:
-                log.warning("a step of %d requests failed (%s); running them one by one", len(items), exc)
-                return [req for item in live for req in self._isolating([item], run)]
-            if not live:
+            if len(step.reqs) > 1:
+                log.warning("a step of %d requests failed (%s); running them one by one", len(step.reqs), exc)
+                return [req for one in self._one_by_one(step) for req in self._run(one)]
+            req = step.reqs[0]
+            if req.finished:                    # aborted meanwhile
                 return []
-            req = _request(live[0])
             log.exception("request %s failed; ending it", req.rid)
             self._fail(req, exc)
             return [req]
+
+    def _one_by_one(self, step: Step) -> Iterator[Step]:
+        """A failed step's work again, a step per request not ended, each built when the last has run."""
+        if isinstance(step, PrefillStep):
+            for req, n in zip(step.reqs, step.lens):
+                if not req.finished:
+                    yield self._prefill_step([(req, n)])
+        else:
+            for req in step.reqs:
+                if not req.finished:
+                    yield self._decode_step([req])
+
+    def _forward(self, step: Step) -> StepResult:
+        try:
+            return self.worker.forward(step)
+        except Exception:
+            self.kv.free(step.slots.flatten())      # nothing of the step was committed
+            raise
 
     def _fail(self, req: Request, exc: Exception) -> None:
         self._finish(req, FinishReason("abort", status_code=500, message=(
             f"internal error while generating ({type(exc).__name__}); see the server log")))
 
     def _apply_decode(self, step: DecodeStep, result: StepResult) -> list[Request]:
-        live = [not r.finished for r in step.reqs]
-        self._commit(step, result.counts, result.kept & torch.tensor(live)[:, None], live)
+        """Commit each request's accepted tokens (their KV at the `kept` slots, in step.slots' order),
+        free the step's other slots (rejected nodes, draft scratch) and append the tokens."""
+        self._commit(step.reqs, result.counts, step.slots[result.kept])
+        self.kv.free(step.slots[~result.kept])
         self.stats["decode_steps"] += 1
         logprobs = result.logprobs or [None] * len(step.reqs)
         for i, req in enumerate(step.reqs):
-            if not live[i]:
-                continue
             if result.drafts is not None:
                 req.spec_verify_ct += 1
                 req.spec_accepted_tokens += result.drafts[i]
@@ -493,14 +390,7 @@ class Scheduler:
             if result.predicted is not None and step.chains[i]:
                 req.prediction.verified(len(step.chains[i]), result.predicted[i])
             self._append(req, result.tokens[i], logprobs[i])     # a request that finishes leaves self.running
-        return [r for r, ok in zip(step.reqs, live) if ok]
-
-    def _commit(self, step, counts: Sequence[int], kept: torch.Tensor, live: Sequence[bool]) -> None:
-        """Commit counts[i] tokens of each live request, their KV at the `kept` slots (in step.slots'
-        order), and free the step's other slots: rejected nodes, draft scratch, and all of a request
-        that ended while its step ran (rollback)."""
-        self.kv.commit(step.reqs, [n if ok else 0 for n, ok in zip(counts, live)], step.slots[kept])
-        self.kv.free(step.slots[~kept])
+        return list(step.reqs)
 
     def _keep_captured(self, req: Request, result: StepResult, i: int) -> None:
         if result.captured is not None:
@@ -542,9 +432,7 @@ class Scheduler:
                     raise RuntimeError(f"the grammar refused committed token {tok}")
                 reason = self._stop_reason(req, tok)
                 if reason is not None:
-                    # A step built ahead holding the request dropped it, by the same test, and released
-                    # its drafter state (engine/ahead.py).
-                    self._finish(req, reason, drafter=self._in_flight is None or req not in self._in_flight.step.reqs)
+                    self._finish(req, reason)
                     return True
         except Exception as exc:
             log.exception("request %s failed after its step; ending it", req.rid)
@@ -553,8 +441,8 @@ class Scheduler:
         return False
 
     def _stop_reason(self, req: Request, tok: int) -> Optional[FinishReason]:
-        """Whether appending tok finished the request. Reads nothing but the request and, where it has
-        stop strings, changes its text state: without them, the forward thread tests copies with it."""
+        """Whether appending tok finished the request (where it has stop strings, searching its text
+        from where the last search stopped)."""
         p = req.params
         if tok in p.stop_token_ids:
             return FinishReason("stop", matched=tok)
@@ -574,14 +462,14 @@ class Scheduler:
             return FinishReason("length")
         return None
 
-    def _finish(self, req: Request, reason: FinishReason, drafter: bool = True) -> None:
+    def _finish(self, req: Request, reason: FinishReason) -> None:
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
         if req in self.prefilling:
             self.prefilling.remove(req)
-        self._release_kv(req, drafter)
+        self._release_kv(req)
         try:
             req.text += req.detok.catch_up(req.token_ids)
             req.text += req.detok.step(req.token_ids, final=True)
@@ -596,7 +484,7 @@ class Scheduler:
 
     def _decode_text(self, reqs: Sequence[Request]) -> None:
         """The text of the tokens _append left undecoded (requests without stop strings), once per step.
-        Overlap scheduler: while the next step's forward runs. A failure ends that request alone."""
+        A failure ends that request alone."""
         for req in reqs:
             if not req.finished:
                 try:
@@ -609,8 +497,3 @@ class Scheduler:
 def _remaining(req: Request) -> int:
     """Prompt tokens (or tokens to recompute after a retraction) still to prefill."""
     return req.seq_len - req.kv_len
-
-
-def _request(item) -> Request:
-    """The request of a step item: a request, or a prefill plan's (request, tokens)."""
-    return item[0] if isinstance(item, tuple) else item

@@ -24,8 +24,6 @@ def test_auto_tree_depends_on_the_device_and_on_a_gpu_on_the_target_family():
     # A CPU's verify cost grows with every token: one draft step, 3 tokens, whatever the family.
     for family in ("llama", "qwen2"):
         assert args.resolved(model_config(family), "cpu").speculative_tree == (1, 2, 3)
-    chains = ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="d", enable_overlap_schedule=True)
-    assert chains.resolved(model_config("llama"), "cpu").speculative_tree == (1, 1, 2)
     given = ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="d", speculative_num_steps=5,
                        speculative_eagle_topk=4, speculative_num_draft_tokens=8)
     assert given.resolved(model_config("llama"), "cpu").speculative_tree == (5, 4, 8)
@@ -105,6 +103,7 @@ def test_nextn_is_mtp_and_case_insensitive():
      "several MTP layers"),
     ({"enable_multi_layer_eagle": True, "speculative_algorithm": "MTP", "speculative_num_steps": 3,
       "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 6}, "drafts a chain"),
+    ({"enable_overlap_schedule": True}, "no overlap scheduler.*Drop the flag"),
 ])
 def test_bad_flags_are_clear_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):

@@ -266,14 +266,14 @@ def test_answers_that_are_not_the_targets_are_refused(target, tmp_path, monkeypa
     samples = run_data(target, opts)
     engine = generate.generation_engine(str(target), 2, 8, "float32", "cpu", "none")
     assert eagle3_data.answer_agreement(engine, samples) == 1.0
-    real = eagle3_data.take_sample
+    real = eagle3_data.captured_sample
 
     def off_by_one(req):
         sample = real(req)
         sample["argmax"][sample["prompt_len"] - 1:] += 1
         return sample
 
-    monkeypatch.setattr(eagle3_data, "take_sample", off_by_one)
+    monkeypatch.setattr(eagle3_data, "captured_sample", off_by_one)
     with pytest.raises(ConvertError, match="not what the target produces"):
         run_data(target, replace(opts, data_dir=tmp_path / "bad"))
 

@@ -16,7 +16,7 @@ pytestmark = needs_compiler
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 
 
-def forwards(model_dir, monkeypatch, fused: bool, **kw):
+def forwards(model_dir, monkeypatch, fused: bool):
     """Every target forward's final hidden states and the number of fused layer calls."""
     seen, calls = [], [0]
     forward, run = model_runner.ModelRunner.forward, cpu_decoder.run
@@ -34,8 +34,7 @@ def forwards(model_dir, monkeypatch, fused: bool, **kw):
     monkeypatch.setattr(cpu_decoder, "run", counting_run)
     if not fused:
         monkeypatch.setattr(fused_decode, "plan", lambda *args: None)
-    tree = (3, 1, 4) if kw.get("enable_overlap_schedule") else (3, 2, 6)      # overlap: chains only
-    eng = tiny_engine(model_dir, "NGRAM", tree=tree, quantization="w4a8", dtype="bfloat16", **kw)
+    eng = tiny_engine(model_dir, "NGRAM", tree=(3, 2, 6), quantization="w4a8", dtype="bfloat16")
     outputs = [o["output_ids"] for o in eng.generate(input_ids=lossless_prompts(), sampling_params=GREEDY)]
     stats = eng.stats()
     eng.shutdown()
@@ -43,10 +42,9 @@ def forwards(model_dir, monkeypatch, fused: bool, **kw):
     return seen, outputs, calls[0], stats
 
 
-@pytest.mark.parametrize("arch, overlap", [("llama", False), ("qwen2", False),    # qwen2: q/k/v biases
-                                           ("llama", True),     # forwards on the overlap scheduler's thread
-                                           ("gguf", False)])    # K quants, q/k/v in Q4_K and Q6_K chained
-def test_fused_layers_give_the_eager_layers_bits(arch, overlap, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2",       # qwen2: q/k/v biases
+                                  "gguf"])              # K quants, q/k/v in Q4_K and Q6_K chained
+def test_fused_layers_give_the_eager_layers_bits(arch, tmp_path, monkeypatch):
     if arch == "gguf":
         from engine.loader import convert_gguf
         from tests.test_loader import gguf_tokenizer, tiny_llama, write_tiny_gguf
@@ -59,8 +57,8 @@ def test_fused_layers_give_the_eager_layers_bits(arch, overlap, tmp_path, monkey
         model = convert_gguf(model)         # here, in this test's cache: `forwards` undoes its monkeypatching
     else:
         model = make_model(tmp_path, arch, layers=3, seed=5)
-    fused, fused_out, calls, stats = forwards(model, monkeypatch, fused=True, enable_overlap_schedule=overlap)
-    eager, eager_out, none, _ = forwards(model, monkeypatch, fused=False, enable_overlap_schedule=overlap)
+    fused, fused_out, calls, stats = forwards(model, monkeypatch, fused=True)
+    eager, eager_out, none, _ = forwards(model, monkeypatch, fused=False)
     assert calls > 0 and none == 0 and stats["spec_verify_ct"] > 0     # decode and verify steps ran fused
     assert fused_out == eager_out and len(fused) == len(eager)
     for a, b in zip(fused, eager):

@@ -33,14 +33,13 @@ log = logging.getLogger(__name__)
 STORE_DTYPE = torch.bfloat16          # wide range (no overflow on outlier features), half the bytes
 
 
-def take_sample(req: Request) -> Optional[dict]:
+def captured_sample(req: Request) -> Optional[dict]:
     """The finished request's sample from what it captured, or None when it was aborted or its
     positions are incomplete. A prefill from position 0 again (after a retraction) starts over."""
-    parts = list(req.captured)
+    parts = req.captured
     starts = [p[0] for p in parts]
     if 0 in starts:
         parts = parts[len(starts) - 1 - starts[::-1].index(0):]
-    req.captured = []
     fed = req.seq_len - 1
     if req.finish_reason is None or req.finish_reason.type == "abort" or not parts:
         return None
@@ -67,7 +66,7 @@ def generate_data(engine, prompts: Sequence[str], data_dir: Path, manifest: dict
     ids = chat_prompt_ids(engine.tokenizer, prompts[done:])
     for reqs in generate_groups(engine, ids, Generation(**spec["generation"]), group, first_index=done,
                                 on_step=on_step):
-        taken = [take_sample(r) for r in reqs]
+        taken = [captured_sample(r) for r in reqs]
         samples = [s for s in taken if s is not None]
         name = f"shard_{len(manifest['shards']):05d}.pt"
         if samples:

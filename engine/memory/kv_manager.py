@@ -1,8 +1,9 @@
 """KVManager: the one owner of KV memory bookkeeping, used by the scheduler alone.
 
 It hands out KV slots (the token-level free list), keeps the request-to-token table (row r, position p:
-the slot holding that token's KV) and the radix cache of shared prefixes, and commits a step's
-accepted tokens into the table; whatever a step allocated and did not commit goes back to the free
+the slot holding that token's KV) and the radix cache of shared prefixes, and writes a step's accepted
+tokens into the table. It reads requests and never changes them: the scheduler records the row, cached
+length and radix node it is given. Whatever a step allocated and did not commit goes back to the free
 list, which is all a rollback is. Every model (the target and any draft) keeps its own K/V buffers
 indexed by these same slots, so a cached prefix is cached for the draft too.
 
@@ -94,28 +95,27 @@ class KVManager:
         if self.radix:
             self.radix.dec_lock_ref(node)
 
-    def admit(self, req: Request, prefix: torch.Tensor, node) -> None:
-        """Give the request a table row holding its cached prefix, which the caller has locked; the
-        lock is the request's until `release`."""
-        req.row = self._free_rows.pop()
-        req.prefix_len = req.kv_len = len(prefix)
-        req.radix_node = node
-        self.table[req.row, :len(prefix)] = prefix.to(self.table.device)
+    def admit(self, prefix: torch.Tensor) -> int:
+        """A table row holding a cached prefix, which the caller has locked: the lock and the row are
+        the request's until `release`."""
+        row = self._free_rows.pop()
+        self.table[row, :len(prefix)] = prefix.to(self.table.device)
+        return row
 
     def commit(self, reqs: Sequence[Request], counts: Sequence[int], slots: torch.Tensor) -> None:
-        """Append counts[i] tokens to reqs[i]'s cached length, their KV being in the next counts[i]
-        entries of `slots` (flat, request after request)."""
+        """Write the slots of counts[i] tokens after reqs[i]'s cached length into its table row, taken in
+        order from `slots` (flat, request after request)."""
         if not any(counts):
             return
-        write_table(self.table, reqs, counts, slots)
-        for req, k in zip(reqs, counts):
-            req.kv_len += k
+        # Index lists built on the host: a handful of tokens per request, cheaper than tensor arithmetic.
+        rows = [r.row for r, k in zip(reqs, counts) for _ in range(k)]
+        cols = [r.kv_len + j for r, k in zip(reqs, counts) for j in range(k)]
+        device = self.table.device
+        self.table[to_device(rows, device), to_device(cols, device)] = to_device(slots, device)
 
     def release(self, req: Request) -> None:
         """Give back a request's KV: into the radix cache when on (the request itself may reuse it on
         resume, or others may), else to the free list; then its table row."""
-        if req.row is None:
-            return
         slots = self.table[req.row, :req.kv_len].cpu()
         # A pair key needs the token after its position: the last token's KV (which only a stop inside
         # an accepted run leaves) is not kept, nor KV past such a cut.
@@ -128,19 +128,8 @@ class KVManager:
         else:
             self.allocator.free(slots[:keep])
         self._free_rows.append(req.row)
-        req.row, req.kv_len, req.prefix_len, req.radix_node = None, 0, 0, None
 
     def _key(self, ids: Sequence[int], n: int) -> Sequence[int]:
         """Radix key of the first n positions: (token, next token) pairs, each as one int."""
         return [(a << 32) | b for a, b in zip(ids[:n], ids[1:n + 1])]
 
-
-def write_table(table: torch.Tensor, reqs: Sequence[Request], counts: Sequence[int], slots: torch.Tensor) -> None:
-    """Write the slots of counts[i] tokens after reqs[i]'s kv_len into its table row. Besides `commit`,
-    the forward thread calls it for a step built ahead (engine/ahead.py): the entries its forward reads
-    before the scheduler commits the previous step, which then writes the same values."""
-    # Index lists built on the host: a handful of tokens per request, cheaper than tensor arithmetic.
-    rows = [r.row for r, k in zip(reqs, counts) for _ in range(k)]
-    cols = [r.kv_len + j for r, k in zip(reqs, counts) for j in range(k)]
-    device = table.device
-    table[to_device(rows, device), to_device(cols, device)] = to_device(slots, device)

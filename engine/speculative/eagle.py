@@ -226,5 +226,4 @@ class MultiLayerMtpDrafter(EagleDrafter):
         return search_trees(roots, root_scores, expand, self.steps, 1, self.num_draft_tokens, self._draw(reqs))
 
     def release(self, req: Request) -> None:
-        if req.row is not None:
-            self.kept[req.row] = 0
+        self.kept[req.row] = 0

@@ -105,9 +105,8 @@ class NgramDrafter(Drafter):
         # before it has to compete for a draft slot.
         self.cache = NgramCache(self.min_window, self.max_window, args.speculative_ngram_capacity,
                                 2 * self.max_breadth)
-        # Tokens of each running request already in the cache, by table row: the worker may see copies of
-        # a request (a step built ahead by the overlap scheduler, engine/ahead.py), never its row change.
-        self.learned: dict[Optional[int], int] = {}
+        # Tokens of each running request already in the cache, by table row.
+        self.learned: dict[int, int] = {}
 
     def breadth(self, match_len: int, depth: int) -> int:
         step = (self.max_breadth - self.min_breadth) / (self.max_window - self.min_window + 1)
