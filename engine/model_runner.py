@@ -161,6 +161,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, kv_pool: KVPool, backend):
         self.model, self.kv_pool, self.backend = model, kv_pool, backend
         self.graphs = None          # StepGraphs for decode steps (engine/graph_runner.py), when enabled
+        self.leader = None          # tensor parallelism's rank 0 (engine/distributed/mirror.py), when on
 
     def run_model(self, batch: ForwardBatch):
         return self.model(batch.input_ids, batch.positions, batch, self.backend)
@@ -169,7 +170,14 @@ class ModelRunner:
                 all_logits: bool = False, decode: bool = False) -> ForwardOutput:
         """Run the model over the batch's new tokens; logits for the flat token indices `logit_rows`
         (or for every token with `all_logits`). A `decode` step runs at a bucketed shape when graphs
-        are enabled."""
+        are enabled. Under tensor parallelism rank 0 announces the forward first: every other rank runs
+        the same one on its shard of the weights."""
+        if self.leader is not None:
+            return self.leader.target(self._forward, batch, logit_rows, all_logits, decode)
+        return self._forward(batch, logit_rows, all_logits, decode)
+
+    def _forward(self, batch: ForwardBatch, logit_rows: Optional[torch.Tensor], all_logits: bool,
+                 decode: bool) -> ForwardOutput:
         batch.decode_step = decode
         size = self.graphs.bucket(batch) if decode and self.graphs is not None else None
         if size is None:

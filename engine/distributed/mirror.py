@@ -3,7 +3,8 @@
 Rank 0 runs the Engine as on one device: the scheduler, the KV bookkeeping, sampling, verification,
 the draft-tree search, grammars and n-gram caches exist there only. What needs every rank is a model
 forward over sharded weights, so each one rank 0 runs is announced first (`Leader`): the target's
-(`ModelRunner.forward`) and a model drafter's (`feed`, `scores`), with their inputs: the ForwardBatch's
+(`ModelRunner.forward`) and a model drafter's (`ModelDrafter.feed`, `.scores`), which call the leader
+they are given before computing, with their inputs: the ForwardBatch's
 tensors, the rows of the request-to-token table it reads, and the hidden states a draft forward takes.
 Every other rank (`Follower`) receives the message and runs the same forward on its block of the
 weights, its K/V pool holding its block of the heads at the same slots; the collectives inside the
@@ -45,24 +46,26 @@ class Leader:
         self.failed: Optional[str] = None
 
     def attach(self, worker) -> None:
-        """Announce the worker's model forwards from now on (each object is wrapped once)."""
+        """Lead the worker's model forwards from now on: the target's and a model drafter's."""
         from engine.speculative.model_drafter import ModelDrafter
 
-        _announce(worker.target, "forward", self._target)
+        worker.target.leader = self
         if isinstance(worker.drafter, ModelDrafter):
-            _announce(worker.drafter, "feed", self._feed)
-            _announce(worker.drafter, "scores", self._scores)
+            worker.drafter.leader = self
 
-    def _target(self, run: Callable, batch: ForwardBatch, logit_rows: Optional[torch.Tensor] = None,
-                all_logits: bool = False, decode: bool = False):
+    def target(self, run: Callable, batch: ForwardBatch, logit_rows: Optional[torch.Tensor], all_logits: bool,
+               decode: bool):
+        """Announce a target forward, then run it here (run(batch, logit_rows, all_logits, decode))."""
         meta = {"all_logits": all_logits, "decode": decode}
         return self._run(lambda: self._send("target", meta, batch, None, logit_rows),
-                         lambda: run(batch, logit_rows, **meta))
+                         lambda: run(batch, logit_rows, all_logits, decode))
 
-    def _feed(self, run: Callable, batch: ForwardBatch, features: Optional[torch.Tensor]):
+    def feed(self, run: Callable, batch: ForwardBatch, features: Optional[torch.Tensor]):
+        """Announce a draft forward, then run it here."""
         return self._run(lambda: self._send("feed", {}, batch, features, None), lambda: run(batch, features))
 
-    def _scores(self, run: Callable, hidden: torch.Tensor):
+    def scores(self, run: Callable, hidden: torch.Tensor):
+        """Announce the draft's logits, then compute them here."""
         return self._run(lambda: self._send("scores", {}, None, hidden, None), lambda: run(hidden))
 
     def set_speculative(self, changes: dict) -> None:
@@ -135,14 +138,6 @@ class Leader:
         for t in (ints, masks, tensor):
             if t is not None:
                 dist.broadcast(t.contiguous(), src=0)
-
-
-def _announce(obj: Any, name: str, announced: Callable) -> None:
-    """Replace the method obj.name by announced(method, ...), which announces each call first; an object
-    wrapped already (a drafter reused by set_speculative) is left as it is."""
-    if name not in vars(obj):
-        method = getattr(obj, name)
-        setattr(obj, name, lambda *args, **kwargs: announced(method, *args, **kwargs))
 
 
 class Follower:

@@ -103,11 +103,11 @@ class EagleDrafter(ModelDrafter):
         self.backend = create_backend(backend, str(device), self.kv_pool, draft=True)
         self.last = torch.zeros((max_rows, target.config.hidden_size), dtype=dtype, device=device)
 
-    def feed(self, batch: ForwardBatch, features: torch.Tensor) -> torch.Tensor:
+    def _feed(self, batch: ForwardBatch, features: torch.Tensor) -> torch.Tensor:
         self.backend.prepare(batch)
         return self.model(self.target.embed(batch.input_ids), features, batch.positions, batch, self.backend)
 
-    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _scores(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
 
     def root(self, step: DecodeStep, roots: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

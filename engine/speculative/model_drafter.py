@@ -39,6 +39,7 @@ class ModelDrafter(Drafter):
     # root's tree slot first, which then precedes every drafted node.
     position_shift = 0
     root_in_kv = False
+    leader = None       # tensor parallelism's rank 0 (engine/distributed/mirror.py), when on
 
     def __init__(self, steps: int, topk: int, num_draft_tokens: int, sampling: str, eos_ids: Sequence[int],
                  table: torch.Tensor):
@@ -55,13 +56,26 @@ class ModelDrafter(Drafter):
         """The roots' draft scores [B, V] (target vocabulary) and the state their children read."""
         raise NotImplementedError
 
-    def feed(self, batch: ForwardBatch, parent_states: Optional[torch.Tensor]) -> torch.Tensor:
+    def _feed(self, batch: ForwardBatch, parent_states: Optional[torch.Tensor]) -> torch.Tensor:
         """One draft forward over the batch's new tokens; returns the draft's outputs [T, H]."""
         raise NotImplementedError
 
-    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target vocabulary, -inf where the draft cannot propose."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ draft forwards
+    # Under tensor parallelism rank 0 announces each draft forward first: every other rank runs the same
+    # one on its shard of the draft's weights.
+    def feed(self, batch: ForwardBatch, parent_states: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.leader is not None:
+            return self.leader.feed(self._feed, batch, parent_states)
+        return self._feed(batch, parent_states)
+
+    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.leader is not None:
+            return self.leader.scores(self._scores, hidden)
+        return self._scores(hidden)
 
     # ------------------------------------------------------------------ the draft step
     def draft(self, step: DecodeStep) -> TreeBatch:

@@ -75,10 +75,10 @@ class StandaloneDrafter(ModelDrafter):
         # Table row -> (root token, its position, the draft's hidden state there), from after_verify.
         self.parked: dict[int, tuple[int, int, torch.Tensor]] = {}
 
-    def feed(self, batch: ForwardBatch, parent_states: Optional[torch.Tensor]) -> torch.Tensor:
+    def _feed(self, batch: ForwardBatch, parent_states: Optional[torch.Tensor]) -> torch.Tensor:
         return self.runner.forward(batch).hidden
 
-    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _scores(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.draft_head(hidden)
 
     def root(self, step: DecodeStep, roots: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
