@@ -11,13 +11,20 @@ from typing import Optional
 import torch
 from torch import nn
 
+from engine.attention import check_backend, create_backend
 from engine.config import ServerArgs, model_max_positions
 from engine.distributed import group as tp
+from engine.graph_runner import attach
+from engine.loader import load_config, load_tokenizer, resolve_model_path
 from engine.memory.budget import KVBudget
 from engine.memory.kv_manager import KVManager
 from engine.memory.kv_pool import KVPool
-from engine.model_runner import ModelRunner, kv_layout
+from engine.model_runner import ModelRunner, kv_layout, load_model, resolve_device, resolve_dtype, resolve_quantization
 from engine.progress import progress
+from engine.scheduler import Scheduler
+from engine.speculative.factory import create_drafter, load_draft_model, unseeded_rule
+from engine.speculative.token_map import resolve_token_map
+from engine.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +41,7 @@ class EngineParts:
     kv: KVManager
     target: ModelRunner
     draft: Optional[nn.Module]
-    scheduler: object
+    scheduler: Scheduler
     eos_ids: list[int]
 
 
@@ -94,7 +101,6 @@ def model_bytes(model: Optional[nn.Module]) -> int:
 def resolve_args(args: ServerArgs, model_config, device: str) -> ServerArgs:
     """`args` resolved against the target's config and the device it runs on, a hub-style token map
     fetched: everything that can be refused is, before any weight loads."""
-    from engine.speculative.token_map import resolve_token_map
 
     args = args.resolved(model_config, device)
     if args.speculative_token_map:
@@ -103,11 +109,6 @@ def resolve_args(args: ServerArgs, model_config, device: str) -> ServerArgs:
 
 
 def build_engine_parts(args: ServerArgs) -> EngineParts:
-    from engine.attention import check_backend, create_backend
-    from engine.loader import load_config, load_tokenizer, resolve_model_path
-    from engine.model_runner import load_model, resolve_device, resolve_dtype, resolve_quantization
-    from engine.scheduler import Scheduler
-    from engine.speculative.factory import load_draft_model
 
     device = resolve_device(args.device)
     check_backend(args.attention_backend, device, args.enable_deterministic_inference)   # before any file is read
@@ -148,7 +149,6 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
         worker = build_worker(args, runner, kv, eos, draft)
     except torch.OutOfMemoryError:
         raise budget.allocation_failed(device_memory(device)[0]) from None
-    from engine.graph_runner import attach
 
     # Model drafters verify full trees, one shape per batch size; n-gram trees vary and run eagerly.
     model_draft = draft is not None
@@ -164,8 +164,6 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
 def build_worker(args: ServerArgs, runner: ModelRunner, kv: KVManager, eos_ids, draft: Optional[nn.Module] = None,
                  drafter=None):
     """The worker for `args`: with `drafter` (one already loaded), or a new drafter over `draft`."""
-    from engine.speculative.factory import create_drafter, unseeded_rule
-    from engine.worker import Worker
 
     if drafter is None:
         drafter = create_drafter(args, draft, runner.model, kv.capacity, kv.table.shape[0], kv.table, eos_ids)

@@ -7,7 +7,7 @@ import torch
 
 import engine.model_runner as model_runner
 from engine.models import fused_decode
-from spec_kernels import cpu_decoder, cpu_w4a8
+from spec_kernels import cpu_decoder
 from tests.compiler import needs_compiler
 from tests.test_speculative_lossless import prompts as lossless_prompts
 from tests.tiny import make_model, tiny_engine
