@@ -289,6 +289,31 @@ def test_kernels_folder_is_not_the_hf_kernels_library(tmp_path):
     assert result.returncode == 0, result.stderr
 
 
+def test_the_cpu_requirements_cover_the_base_install():
+    """requirements-cpu.txt (the README's install without Triton) pins every package a base install of spec
+    needs, as this environment resolved them, but triton; and the torch of constraints-cpu.txt."""
+    from packaging.requirements import Requirement
+
+    def name(text: str) -> str:
+        return re.sub(r"[-_.]+", "-", text).lower()
+
+    pinned = dict(line.split("==") for line in (ROOT / "requirements-cpu.txt").read_text().splitlines()
+                  if line and not line.startswith("#"))
+    pinned = {name(k): v for k, v in pinned.items()}
+    needed, todo = set(), ["spec"]
+    while todo:
+        for text in importlib.metadata.requires(todo.pop()) or []:
+            req = Requirement(text)
+            if (req.marker is None or req.marker.evaluate({"extra": ""})) and name(req.name) not in needed:
+                needed.add(name(req.name))
+                todo.append(req.name)
+    assert "triton" in needed and "triton" not in pinned        # what the file is for
+    missing = needed - {"triton"} - set(pinned)
+    assert not missing, f"add {sorted(missing)} to requirements-cpu.txt (pinned, as `pip freeze` gives them)"
+    constraint = (ROOT / "constraints-cpu.txt").read_text().split("torch==")[1].split()[0]
+    assert pinned["torch"] == constraint
+
+
 def test_pyproject_lists_every_package():
     tomllib = pytest.importorskip("tomllib")
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
