@@ -199,6 +199,13 @@ class ServerArgs:
         "changes with the drafts. A request that gives a seed is always coupled; this picks the rule for the "
         "others. auto: coupled.",
         group="Speculative decoding", choices=("auto", "coupled", "tree", "rejection")))
+    speculative_adaptive: str = field(default="on", metadata=opt(
+        "Size each step's drafts: per request, as many draft tokens (up to the tree flags' size, 0 for a "
+        "plain step) as maximise the batch's expected tokens per second, from the request's recent "
+        "acceptance and the step times measured on this machine. As the batch grows and rows cost compute, "
+        "trees shrink and speculation turns off where it cannot pay. off: every request verifies the whole "
+        "tree every step. Same output either way.",
+        group="Speculative decoding", choices=("on", "off")))
     enable_multi_layer_eagle: bool = field(default=False, metadata=opt(
         "On a model with several MTP layers (MiMo-V2's mtp_layers, DeepSeek-style nextn layers), draft step k "
         "runs MTP layer k instead of the first layer at every step, as SGLang does. A chain (topk 1) of at most "

@@ -46,7 +46,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: Optional[FinishReason] = None
 
-    # KV state, changed by the scheduler through the KV manager.
+    # KV state, recorded by the scheduler from the KV manager.
     row: Optional[int] = None                  # request-to-token table row while it holds KV
     kv_len: int = 0                            # leading tokens whose KV is cached for this request
     prefix_len: int = 0                        # leading tokens shared from the radix cache
@@ -75,6 +75,10 @@ class Request:
     # Speculative counters.
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0              # draft tokens accepted (bonus tokens excluded)
+    # --speculative-adaptive (engine/speculative/sizing.py): how well its drafts are accepted, and the
+    # decode steps since it last drafted.
+    acceptance: object = field(default=None, repr=False)
+    undrafted_steps: int = 0
 
     # Hidden states kept per forward when the engine captures them (training-data generation):
     # (first position, {layer index or "final": [n, H]}, argmax [n] with -1 where no logits were computed).

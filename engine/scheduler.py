@@ -30,6 +30,7 @@ from engine.memory.kv_manager import KVManager
 from engine.request import FinishReason, Request, Status
 from engine.speculative.cost import StepCost
 from engine.speculative.prediction import ANCHOR_MAX, chain_length
+from engine.speculative.sizing import Acceptance, draft_sizes
 from engine.speculative.stats import SpecStats
 from engine.step import DecodeStep, PrefillStep, StepResult
 from engine.worker import Worker
@@ -44,6 +45,10 @@ _RESERVE_TOKENS = 8
 _MAX_OVERTAKEN = 16
 # Prompts prefilled in pieces at the same time: a shorter long prompt need not wait for a longer one.
 _MAX_PARTIAL = 4
+# --speculative-adaptive: a request kept from drafting tries again after this many decode steps (where
+# that costs nothing later); the acceptance across requests forgets more slowly than a request's own.
+EXPLORE_EVERY = 16
+ACROSS_DECAY = 0.99
 # A further row's share of a one-row decode step before step times are measured: on a CPU the weight
 # kernels are compute-bound past one row; on a GPU rows are nearly free until the batch is large.
 _PRIOR_ROW_COST = {"cpu": 0.12, "cuda": 0.01}
@@ -67,7 +72,7 @@ class Scheduler:
         self.prefilling: list[Request] = []         # requests part-way through a chunked prefill, oldest first
         self._prefilled_last = False
         self.stats = {"retractions": 0, "cached_tokens": 0, "prefill_tokens": 0, "decode_steps": 0}
-        # What a decode forward of R rows costs here: sizes Predicted Output chains.
+        # What a decode step costs here: sizes drafts and Predicted Output chains.
         self.cost = StepCost(_PRIOR_ROW_COST[device])
         self._finished_now: list[Request] = []
         self.set_worker(worker, args)
@@ -79,6 +84,8 @@ class Scheduler:
         self.kv.flush()
         self.worker, self.args = worker, args
         self.spec_stats = SpecStats(args.speculative_num_steps) if worker.drafter else None
+        # Acceptance across requests: where a new request's estimate starts (--speculative-adaptive).
+        self.acceptance = Acceptance(decay=ACROSS_DECAY)
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, req: Request) -> None:
@@ -303,18 +310,37 @@ class Scheduler:
         return True
 
     def _decode_step(self, reqs: list[Request]) -> DecodeStep:
-        chains = self._chains(reqs)
+        drafts = self._drafts(reqs)
+        chains = self._chains(reqs, drafts)
         per_req = self.worker.slots_per_request + max(map(len, chains or [[]]))
         if chains and self.kv.available() < per_req * len(reqs):
             chains, per_req = None, self.worker.slots_per_request       # no room: verify the chains later
-        return DecodeStep(reqs, self.kv.alloc(per_req * len(reqs)).view(len(reqs), per_req), chains)
+        return DecodeStep(reqs, self.kv.alloc(per_req * len(reqs)).view(len(reqs), per_req), chains, drafts)
 
-    def _chains(self, reqs: list[Request]) -> Optional[list[list[int]]]:
+    def _drafts(self, reqs: list[Request]) -> Optional[list[int]]:
+        """Each request's draft tokens for this step (--speculative-adaptive), as many as pay by the step
+        cost model and its recent acceptance (engine/speculative/sizing.py); None: the whole tree."""
+        drafter = self.worker.drafter
+        if drafter is None or self.args.speculative_adaptive == "off":
+            return None
+        for r in reqs:
+            if r.acceptance is None:
+                r.acceptance = Acceptance(self.acceptance.value)
+        # An estimate that keeps a request off would never change: try it again now and then, where a
+        # skipped step costs the drafter nothing later.
+        explore = [not drafter.catches_up and r.undrafted_steps >= EXPLORE_EVERY for r in reqs]
+        sizes = draft_sizes([r.acceptance.value for r in reqs], self.worker.num_draft_tokens - 1, self.cost, explore)
+        for r, k in zip(reqs, sizes):
+            r.undrafted_steps = 0 if k else r.undrafted_steps + 1
+        return sizes
+
+    def _chains(self, reqs: list[Request], drafts: Optional[list[int]]) -> Optional[list[list[int]]]:
         """Each request's Predicted Output chain for this step, as long as pays by the step cost model
         and its recent acceptance (none without a prediction); None when no request has one."""
         if all(r.prediction is None for r in reqs):
             return None
-        rows = len(reqs) * self.worker.num_draft_tokens        # the step's rows without chains
+        # The step's rows without chains.
+        rows = len(reqs) + (sum(drafts) if drafts is not None else len(reqs) * (self.worker.num_draft_tokens - 1))
 
         def cost(k: int) -> float:
             return self.cost.relative(rows, k)
@@ -337,7 +363,7 @@ class Scheduler:
             start = time.perf_counter()
             result = self._forward(step)
             if result.rows:
-                self.cost.observe(result.rows, time.perf_counter() - start)
+                self.cost.observe(result.rows, time.perf_counter() - start, result.drafted, result.draft_seconds)
             return self.apply(step, result)
         except DistributedError:
             raise                               # no request is to blame: the engine cannot go on
@@ -386,6 +412,9 @@ class Scheduler:
                 req.spec_verify_ct += 1
                 req.spec_accepted_tokens += result.drafts[i]
                 self.spec_stats.record(result.drafts[i])
+                if req.acceptance is not None:
+                    req.acceptance.record(result.proposed[i], result.drafts[i])
+                    self.acceptance.record(result.proposed[i], result.drafts[i])
             self._keep_captured(req, result, i)
             if result.predicted is not None and step.chains[i]:
                 req.prediction.verified(len(step.chains[i]), result.predicted[i])

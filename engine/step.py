@@ -31,10 +31,13 @@ class PrefillStep:
 class DecodeStep:
     """One decode step of the running requests. slots[b]: the KV slots request b may use this step:
     one per tree node (the root's first; the drafter's nodes, then its prediction chain's), then the
-    drafter's scratch. chains[b]: Predicted Output tokens to verify after request b's newest token."""
+    drafter's scratch. drafts[b]: the most draft tokens request b's tree may hold this step (0: none, and
+    no drafting for it); None: the whole tree. chains[b]: Predicted Output tokens to verify after request
+    b's newest token."""
     reqs: list[Request]
     slots: torch.Tensor          # [B, slots per request]
     chains: Optional[list[list[int]]] = None
+    drafts: Optional[list[int]] = None
 
     @property
     def chain_slots(self) -> int:
@@ -51,5 +54,8 @@ class StepResult:
     captured: Optional[list] = None          # per request, hidden states to keep (Request.captured)
     predicted: Optional[list[int]] = None    # per request, tokens of its prediction chain accepted
     rows: int = 0                            # decode: tokens the target's forward ran (tree nodes)
+    proposed: Optional[list[int]] = None     # speculative decode: draft tokens the drafter proposed per request
+    drafted: int = 0                         # requests the drafter drafted for
+    draft_seconds: float = 0.0               # time spent in the drafter
     # Per request asking for them (else None): per new token, (logprob, [(token id, logprob)] best first).
     logprobs: Optional[list] = None

@@ -12,6 +12,7 @@ scheduler applies the StepResult (appends tokens, commits the accepted slots, fr
 
 from __future__ import annotations
 
+import time
 from typing import Optional, Sequence
 
 import torch
@@ -93,8 +94,10 @@ class Worker:
     # ------------------------------------------------------------------ decode
     def _decode(self, step: DecodeStep) -> StepResult:
         reqs, device = step.reqs, self.table.device
+        start = time.perf_counter()
         tree = (self.drafter.draft(self._drafter_view(step)) if self.drafter else
                 TreeBatch.roots(to_device([r.token_ids[-1] for r in reqs], device)))
+        drafting = time.perf_counter() - start
         own = list(tree.sizes)              # the drafter's nodes; a prediction chain's come after them
         if step.chain_slots:
             tree = tree.with_chains(step.chains)
@@ -146,16 +149,21 @@ class Worker:
         kept = torch.zeros(step.slots.shape, dtype=torch.bool)      # on the host, where the scheduler reads it
         kept[[b for b, path in enumerate(paths) for _ in path], [i for path in paths for i in path]] = True
         if self.drafter:
+            start = time.perf_counter()
             self.drafter.after_verify(step, out, tree.sizes, paths, tokens)
+            drafting += time.perf_counter() - start
         captured = None
         if self.capture:
             on_path = torch.arange(width, device=device)[None, :] < accepted.length[:, None]
             picked = cpu_argmax.argmax(out.logits[rows[on_path]])
             captured = self._captured(out, rows[on_path], lengths, reqs, picked)
         predicted = [sum(i >= n for i in path) for path, n in zip(paths, own)] if step.chain_slots else None
+        drafted = sum(k > 0 for k in step.drafts) if step.drafts is not None else len(reqs)
         return StepResult(tokens, lengths, kept=kept, drafts=[n - 1 for n in lengths] if self.drafter else None,
                           captured=captured, logprobs=None if floats is None else _unpack(reqs, floats, lengths, width),
-                          predicted=predicted, rows=sum(tree.sizes))
+                          predicted=predicted, rows=sum(tree.sizes),
+                          proposed=[n - 1 for n in own] if self.drafter else None,
+                          drafted=drafted if self.drafter else 0, draft_seconds=drafting)
 
     def _drafter_view(self, step: DecodeStep) -> DecodeStep:
         """The step as the drafter sees it: its tree's slot columns, then its scratch, without the
@@ -163,7 +171,8 @@ class Worker:
         if not step.chain_slots:
             return step
         n = self.num_draft_tokens
-        return DecodeStep(step.reqs, torch.cat([step.slots[:, :n], step.slots[:, n + step.chain_slots:]], 1))
+        return DecodeStep(step.reqs, torch.cat([step.slots[:, :n], step.slots[:, n + step.chain_slots:]], 1),
+                          drafts=step.drafts)
 
     def _nodes_as_decode_rows(self, reqs, tree: TreeBatch, slots: torch.Tensor):
         """The tree verified as decode rows, SGLang's "decode" attention mode: node i of request b is a

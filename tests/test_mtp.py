@@ -262,5 +262,6 @@ def test_multi_layer_refusals(models, tmp_path):
     assert engine(three, "MTP", tree=TREE).args.enable_multi_layer_eagle is False
     from engine import Engine
 
-    eng = Engine(model_path=str(three), dtype="float32", speculative_algorithm="EAGLE", max_total_tokens=4096)
+    eng = Engine(model_path=str(three), dtype="float32", speculative_algorithm="EAGLE",
+                 speculative_adaptive="off", max_total_tokens=4096)
     assert eng.args.enable_multi_layer_eagle and eng.args.speculative_tree == (3, 1, 4)

@@ -210,7 +210,7 @@ def engine(model_dir, **kw) -> Engine:
 def ngram_engine(model_dir, shape=None) -> Engine:
     """shape: (steps, topk, draft tokens), or None for the auto choice."""
     steps, topk, draft_tokens = shape or (None, None, None)
-    return engine(model_dir, speculative_algorithm="NGRAM", speculative_num_steps=steps,
+    return engine(model_dir, speculative_algorithm="NGRAM", speculative_adaptive="off", speculative_num_steps=steps,
                   speculative_eagle_topk=topk, speculative_num_draft_tokens=draft_tokens)
 
 

@@ -45,7 +45,9 @@ def plain_outputs(target):
 def spec_engine(algo, target, tmp_path, shape, **kw) -> Engine:
     pytest.importorskip(module_for(algo))
     steps, topk, tokens = shape
-    kw = {"model_path": str(target), "max_total_tokens": 8192, **draft_setup(algo, target, tmp_path), **kw}
+    # Fixed trees: every step drafts and verifies the whole tree (adaptive sizes: test_adaptive_drafts.py).
+    kw = {"model_path": str(target), "max_total_tokens": 8192, "speculative_adaptive": "off",
+          **draft_setup(algo, target, tmp_path), **kw}
     return Engine(dtype="float32", speculative_algorithm=algo, speculative_num_steps=steps,
                   speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens, **kw)
 
@@ -127,7 +129,8 @@ def test_deepseek_nextn_draft_greedy_identical(deepseek, algo, shape, variant):
     if kw.pop("export", False):
         kw["speculative_draft_model_path"] = str(export)
     steps, topk, tokens = shape
-    eng = Engine(model_path=str(target), dtype="float32", speculative_algorithm=algo, speculative_num_steps=steps,
+    eng = Engine(model_path=str(target), dtype="float32", speculative_algorithm=algo,
+                 speculative_adaptive="off", speculative_num_steps=steps,
                  speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens, **kw)
     assert eng.args.speculative_algorithm == "MTP"
     outs = eng.generate(input_ids=prompts(), sampling_params=GREEDY)
@@ -199,6 +202,7 @@ def test_sampling_matches_target_distribution(algo, sampling, shape, small_targe
     steps, topk, tokens = shape
     kw = {"model_path": str(small_target), **draft_setup(algo, small_target, tmp_path, vocab=VOCAB)}
     eng = Engine(dtype="float32", max_total_tokens=32768, max_running_requests=256, speculative_algorithm=algo,
+                 speculative_adaptive="off",
                  speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens, **kw)
     counts = _sampled_pairs(eng, sampling, seeded=True)
     expected = exact_two_token_distribution(small_target, SAMPLE_PROMPT, SamplingParams(**sampling))
@@ -214,6 +218,7 @@ def test_unseeded_rules_match_target_distribution(algo, rule, small_target, tmp_
     distribution (their draws depend on the drafts, so only the distribution is compared)."""
     kw = {"model_path": str(small_target), **draft_setup(algo, small_target, tmp_path, vocab=VOCAB)}
     eng = Engine(dtype="float32", max_total_tokens=32768, max_running_requests=256, speculative_algorithm=algo,
+                 speculative_adaptive="off",
                  speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4,
                  speculative_sampling=rule, **kw)
     sampling = {"temperature": 0.8, "top_k": 3, "top_p": 0.9}
@@ -249,7 +254,8 @@ def test_multi_layer_mtp_greedy_identical(multi_mtp, layout, shape, variant):
     scheduling variants and over radix-shared prefixes (the second call repeats the prompts)."""
     target, plain = multi_mtp[layout]
     steps, topk, tokens = shape
-    eng = Engine(model_path=str(target), dtype="float32", speculative_algorithm="MTP", speculative_num_steps=steps,
+    eng = Engine(model_path=str(target), dtype="float32", speculative_algorithm="MTP",
+                 speculative_adaptive="off", speculative_num_steps=steps,
                  speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens,
                  **{"max_total_tokens": 8192, **variant})
     assert eng.args.enable_multi_layer_eagle

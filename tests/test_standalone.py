@@ -51,8 +51,9 @@ def engine(target, draft=None, tree=None, **kw) -> Engine:
     spec = {}
     if draft is not None:
         steps, topk, tokens = tree
-        spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=str(draft),
-                    speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)
+        spec = dict(speculative_algorithm="STANDALONE", speculative_adaptive="off",
+                    speculative_draft_model_path=str(draft), speculative_num_steps=steps,
+                    speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)
     kw.setdefault("max_total_tokens", 4096)
     return Engine(model_path=str(target), dtype="float32", **spec, **kw)
 
@@ -249,7 +250,8 @@ def test_token_map_rows_run_as_the_drafts_head_would(tmp_path, target_dir, draft
     path = tmp_path / "freq_160.pt"
     torch.save(torch.randperm(320, generator=torch.Generator().manual_seed(1))[:160].tolist(), path)
     common = dict(model_path=str(target_dir), dtype="bfloat16", quantization=quantization, max_total_tokens=4096)
-    eng = Engine(**common, speculative_algorithm="STANDALONE", speculative_draft_model_path=str(draft_dir),
+    eng = Engine(**common, speculative_algorithm="STANDALONE",
+                 speculative_adaptive="off", speculative_draft_model_path=str(draft_dir),
                  speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=4,
                  speculative_draft_model_quantization=quantization, speculative_token_map=str(path))
     head = eng._scheduler.worker.drafter.model.draft_head

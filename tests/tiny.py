@@ -116,14 +116,15 @@ def random_prompts(n: int, seed: int = 0, lo: int = 2, hi: int = 40) -> list[lis
 
 def tiny_engine(model_dir, algorithm=None, draft=None, tree=(3, 1, 4), **kw):
     """An Engine on a tiny model (fp32 unless `dtype` is given), speculative when `algorithm` is given
-    (tree = steps, topk, tokens)."""
+    (tree = steps, topk, tokens, drafted whole every step unless speculative_adaptive="on" is given)."""
     from engine import Engine
 
     spec = {}
     if algorithm:
         steps, topk, tokens = tree
+        # Fixed trees: every step drafts and verifies the whole tree, unless a test asks for adaptive sizes.
         spec = dict(speculative_algorithm=algorithm, speculative_num_steps=steps, speculative_eagle_topk=topk,
-                    speculative_num_draft_tokens=tokens)
+                    speculative_num_draft_tokens=tokens, speculative_adaptive="off")
         if draft:
             spec["speculative_draft_model_path"] = str(draft)
     return Engine(model_path=str(model_dir), **{"dtype": "float32", "max_total_tokens": 4096, **spec, **kw})

@@ -18,7 +18,7 @@ rejection sampling), tokens drawn from the draft's processed distribution, retur
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -49,8 +49,11 @@ def top_k(x: torch.Tensor, k: int, block: int = 128) -> tuple[torch.Tensor, torc
 
 
 def search_trees(roots: torch.Tensor, root_scores: torch.Tensor, expand: Expand, steps: int, topk: int,
-                 num_draft_tokens: int, draw: Optional[Draw] = None) -> TreeBatch:
-    """Trees of num_draft_tokens nodes rooted at roots [B], from the roots' draft scores [B, V]."""
+                 num_draft_tokens: int, draw: Optional[Draw] = None,
+                 budgets: Optional[Sequence[int]] = None) -> TreeBatch:
+    """Trees of num_draft_tokens nodes rooted at roots [B], from the roots' draft scores [B, V]; with
+    `budgets`, tree b keeps its budgets[b] best drafts only (a child never scores above its parent, so
+    they hold their ancestors)."""
     B, V = root_scores.shape
     device = root_scores.device
     k = min(topk, V)
@@ -85,9 +88,15 @@ def search_trees(roots: torch.Tensor, root_scores: torch.Tensor, expand: Expand,
     all_tokens, all_scores, all_parents = torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1)
     n = num_draft_tokens - 1
     ranked = all_scores.sort(dim=1, descending=True, stable=True).indices[:, :n]          # [B, n]
-    # Parents before children, siblings (and cousins) best first: by depth, then rank.
+    # Parents before children, siblings (and cousins) best first: by depth, then rank; drafts past a
+    # tree's budget after all of them.
     depth_of = to_device(depths, device)
-    order = (depth_of[ranked] * n + torch.arange(n, device=device)).argsort(dim=1)
+    order = depth_of[ranked] * n + torch.arange(n, device=device)
+    cut = None
+    if budgets is not None:
+        cut = torch.arange(n, device=device)[None, :] >= to_device(list(budgets), device)[:, None]
+        order = order + cut * (steps + 1) * n
+    order = order.argsort(dim=1)
     keep = ranked.gather(1, order)
     new_index = torch.zeros((B, generated), dtype=torch.long, device=device)
     new_index.scatter_(1, keep, torch.arange(1, n + 1, device=device).expand(B, n))
@@ -96,6 +105,11 @@ def search_trees(roots: torch.Tensor, root_scores: torch.Tensor, expand: Expand,
     draft_probs = None
     if drawn:
         draft_probs = torch.stack([torch.zeros_like(drawn[0])] + drawn, 1)                # chains: node i = depth i
-    return TreeBatch(torch.cat([roots[:, None], all_tokens.gather(1, keep)], 1),
+    kept_tokens = all_tokens.gather(1, keep)
+    if cut is not None:                 # sorted last: the cut drafts become padding
+        kept_tokens = kept_tokens.masked_fill(cut, 0)
+        kept_parents = kept_parents.masked_fill(cut, -1)
+    return TreeBatch(torch.cat([roots[:, None], kept_tokens], 1),
                      torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=device), kept_parents], 1),
-                     [n + 1] * B, k == 1, min(steps, n), k, draft_probs)
+                     [n + 1] * B if budgets is None else [min(n, b) + 1 for b in budgets], k == 1, min(steps, n), k,
+                     draft_probs)

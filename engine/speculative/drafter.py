@@ -15,6 +15,9 @@ from engine.step import DecodeStep, PrefillStep
 class Drafter:
     scratch_slots = 0                    # KV slots per request per decode step besides the tree's
     capture_hidden: tuple[int, ...] = ()   # target hidden states it reads
+    # A request left without drafts is caught up later, at a cost (a draft model fed the tokens it
+    # skipped): the scheduler does not then try drafting for it just to learn how well it drafts.
+    catches_up = False
 
     def set_tree(self, tree: tuple[int, int, int], sampling: str) -> None:
         """Draft trees of (steps, topk, num_draft_tokens) from now on, for verification of unseeded sampled
@@ -22,8 +25,12 @@ class Drafter:
         self.steps, self.topk, self.num_draft_tokens = tree
 
     def draft(self, step: DecodeStep) -> TreeBatch:
-        """Trees of at most num_draft_tokens nodes rooted at each request's newest token."""
+        """Trees rooted at each request's newest token, of at most budgets(step)[b] + 1 nodes."""
         raise NotImplementedError
+
+    def budgets(self, step: DecodeStep) -> list[int]:
+        """Per request, the most draft tokens its tree may hold this step (step.drafts, else the tree's)."""
+        return step.drafts if step.drafts is not None else [self.num_draft_tokens - 1] * len(step.reqs)
 
     def after_prefill(self, step: PrefillStep, out: ForwardOutput, next_tokens: Sequence[int]) -> None:
         """The target fed these prompt pieces; next_tokens[i] follows piece i (the next prompt token or

@@ -202,9 +202,8 @@ class MultiLayerMtpDrafter(EagleDrafter):
             self.tail[row, self.layers - 1 - kept:] = newest
             self.kept[row] = kept
 
-    def draft(self, step: DecodeStep) -> TreeBatch:
+    def _search(self, step: DecodeStep, roots: torch.Tensor, budgets: Optional[Sequence[int]]) -> TreeBatch:
         reqs, device = step.reqs, self.table.device
-        roots = to_device([r.token_ids[-1] for r in reqs], device)
         rows, kv_lens = [r.row for r in reqs], [r.kv_len for r in reqs]
         scratch = step.slots[:, self.num_draft_tokens:].to(device)
         drafted = []
@@ -223,7 +222,8 @@ class MultiLayerMtpDrafter(EagleDrafter):
             return self.scores(hidden[ends])[:, None]
 
         root_scores, _ = self.root(step, roots)
-        return search_trees(roots, root_scores, expand, self.steps, 1, self.num_draft_tokens, self._draw(reqs))
+        return search_trees(roots, root_scores, expand, self.steps, 1, self.num_draft_tokens, self._draw(reqs),
+                            budgets)
 
     def release(self, req: Request) -> None:
         self.kept[req.row] = 0

@@ -79,8 +79,20 @@ class ModelDrafter(Drafter):
 
     # ------------------------------------------------------------------ the draft step
     def draft(self, step: DecodeStep) -> TreeBatch:
+        """The trees of the requests with a budget; the others' roots alone, with no draft forward."""
+        budgets = self.budgets(step)
+        roots = to_device([r.token_ids[-1] for r in step.reqs], self.table.device)
+        on = [b for b, k in enumerate(budgets) if k > 0]
+        if not on:
+            return TreeBatch.roots(roots)
+        if len(on) == len(budgets):
+            return self._search(step, roots, step.drafts)
+        sub = DecodeStep([step.reqs[b] for b in on], step.slots[on], drafts=[budgets[b] for b in on])
+        return self._search(sub, roots[to_device(on, roots.device)], sub.drafts).spread(on, roots)
+
+    def _search(self, step: DecodeStep, roots: torch.Tensor, budgets: Optional[Sequence[int]]) -> TreeBatch:
+        """EAGLE-2's search for every request of the step (budgets: drafts kept per tree, None: all)."""
         reqs, B, device = step.reqs, len(step.reqs), self.table.device
-        roots = to_device([r.token_ids[-1] for r in reqs], device)
         rows, prefix = [r.row for r in reqs], [r.kv_len for r in reqs]
         kv_lens = to_device(prefix, device)
         root_scores, root_state = self.root(step, roots)
@@ -111,7 +123,7 @@ class ModelDrafter(Drafter):
             return self.scores(hidden).view(B, k, -1)
 
         return search_trees(roots, root_scores, expand, self.steps, self.topk, self.num_draft_tokens,
-                            self._draw(reqs) if self.topk == 1 else None)
+                            self._draw(reqs) if self.topk == 1 else None, budgets)
 
     def _draw(self, reqs: Sequence[Request]) -> Optional[Draw]:
         """Sampled requests' chains are drawn from the draft's distribution, processed by their sampling

@@ -117,8 +117,9 @@ class NgramDrafter(Drafter):
         for req in step.reqs:                     # all first: one request's text may draft another's
             self._learn(req)
         trees = [ngram_tree(self.cache, req.token_ids[max(0, req.seq_len - self.max_window):], self.steps,
-                            self.num_draft_tokens - 1, self.breadth,
-                            None if req.grammar is None else DraftGrammar(req.grammar)) for req in step.reqs]
+                            budget, self.breadth, None if req.grammar is None else DraftGrammar(req.grammar))
+                 if budget else DraftTree.chain(req.token_ids[-1], [])
+                 for req, budget in zip(step.reqs, self.budgets(step))]
         return TreeBatch.from_trees(trees, self.device)
 
     def release(self, req: Request) -> None:

@@ -9,6 +9,12 @@ verification then commits. One draft forward a step where there were two (the dr
 a memory-bound forward costs about the same for 1 token or 4). A root without parked scores (the first
 step after a prefill) is fed at its tree slot. Deeper frontiers see the root and their drafted
 ancestors. After a prefill piece, the piece's tokens are fed at its slots.
+
+A request left without drafts for a step (--speculative-adaptive, under load) costs the draft nothing:
+its tokens are not fed, and the draft falls behind the target. The step it drafts again feeds every
+token it skipped in the same forward as the root. Which slots hold the draft's K/V of their committed
+token is kept per slot (`fed`), so a prefix that a lagging request left in the radix cache is fed again
+by the request that reuses it, from its first slot the draft never saw.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ def load_draft(args: ServerArgs, target: nn.Module, target_dir, dtype: torch.dty
 
 class StandaloneDrafter(ModelDrafter):
     root_in_kv = True
+    catches_up = True
 
     def __init__(self, model: nn.Module, num_slots: int, table: torch.Tensor, tree: tuple[int, int, int],
                  sampling: str, eos_ids: Sequence[int], backend: str):
@@ -74,6 +81,10 @@ class StandaloneDrafter(ModelDrafter):
         self.runner = ModelRunner(model, self.kv_pool, create_backend(backend, str(device), self.kv_pool, draft=True))
         # Table row -> (root token, its position, the draft's hidden state there), from after_verify.
         self.parked: dict[int, tuple[int, int, torch.Tensor]] = {}
+        # Table row -> the first position the draft was not fed, for requests it fell behind on.
+        self.behind: dict[int, int] = {}
+        # Per slot: the draft's K/V of the token committed there is written (fed with all before it).
+        self.fed = torch.zeros(self.kv_pool.size + 2, dtype=torch.bool)
 
     def _feed(self, batch: ForwardBatch, parent_states: Optional[torch.Tensor]) -> torch.Tensor:
         return self.runner.forward(batch).hidden
@@ -84,8 +95,9 @@ class StandaloneDrafter(ModelDrafter):
     def root(self, step: DecodeStep, roots: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         reqs, device = step.reqs, self.table.device
         parked = [self.parked.pop(r.row, None) for r in reqs]
+        starts = [self.behind.pop(r.row, r.kv_len) for r in reqs]
         ready = [b for b, (r, p) in enumerate(zip(reqs, parked))
-                 if p is not None and p[:2] == (r.token_ids[-1], r.kv_len)]
+                 if p is not None and p[:2] == (r.token_ids[-1], r.kv_len) and starts[b] == r.kv_len]
         hidden = [None] * len(reqs)
         if ready:
             rows = to_device([reqs[b].row for b in ready], device)
@@ -93,33 +105,65 @@ class StandaloneDrafter(ModelDrafter):
             for b in ready:
                 hidden[b] = parked[b][2]
         if missing := [b for b in range(len(reqs)) if hidden[b] is None]:
+            # The root, after whatever the draft fell behind on (positions starts[b] .. kv_len - 1).
             fed = [reqs[b] for b in missing]
-            batch = make_batch(self.table, [r.row for r in fed], [r.kv_len for r in fed], roots[missing],
-                               step.slots[missing, 0], [1] * len(fed))
-            for b, h in zip(missing, self.feed(batch, None)):
+            lens = [r.kv_len - starts[b] + 1 for b, r in zip(missing, fed)]
+            slots = torch.cat([torch.cat([self.table[r.row, starts[b]:r.kv_len].cpu(), step.slots[b, :1]])
+                               for b, r in zip(missing, fed)])
+            batch = make_batch(self.table, [r.row for r in fed], [starts[b] for b in missing],
+                               [t for b, r in zip(missing, fed) for t in r.token_ids[starts[b]:r.kv_len + 1]],
+                               slots, lens)
+            out = self.feed(batch, None)
+            self.fed[slots] = True
+            for b, h in zip(missing, out[to_device(lens, out.device).cumsum(0) - 1]):
                 hidden[b] = h
+        self.fed[step.slots[ready, 0]] = True
         return self.scores(torch.stack(hidden)), None
 
     def after_prefill(self, step: PrefillStep, out: ForwardOutput, next_tokens: Sequence[int]) -> None:
+        # Fed from the first position the draft has not seen: its own earlier pieces were fed, a prefix
+        # from the radix cache may hold slots a lagging request committed without the draft.
         reqs = step.reqs
-        self.feed(make_batch(self.table, [r.row for r in reqs], [r.kv_len for r in reqs], step.input_ids(),
-                             step.slots, step.lens), None)
+        starts = [self.behind.pop(r.row, None) for r in reqs]
+        starts = [s if s is not None else self._first_unfed(r) for s, r in zip(starts, reqs)]
+        offsets = torch.tensor([0] + list(step.lens)).cumsum(0).tolist()
+        slots = torch.cat([torch.cat([self.table[r.row, s:r.kv_len].cpu(), step.slots[offsets[i]:offsets[i + 1]]])
+                           for i, (r, s) in enumerate(zip(reqs, starts))])
+        tokens = [t for r, s, n in zip(reqs, starts, step.lens) for t in r.token_ids[s:r.kv_len + n]]
+        self.feed(make_batch(self.table, [r.row for r in reqs], starts, tokens, slots,
+                             [r.kv_len + n - s for r, s, n in zip(reqs, starts, step.lens)]), None)
+        self.fed[slots] = True
+
+    def _first_unfed(self, req) -> int:
+        unfed = (~self.fed[self.table[req.row, :req.kv_len].cpu()]).nonzero()
+        return int(unfed[0]) if len(unfed) else req.kv_len
 
     def after_verify(self, step: DecodeStep, out: ForwardOutput, sizes: Sequence[int],
                      paths: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]]) -> None:
+        reqs = step.reqs
+        drafted = [b for b, k in enumerate(self.budgets(step)) if k > 0]
+        for b in sorted(set(range(len(reqs))) - set(drafted)):
+            # Committed without the draft: it falls behind from here.
+            self.behind.setdefault(reqs[b].row, reqs[b].kv_len)
+            self.fed[step.slots[b, paths[b]]] = False
+        if not drafted:
+            return
         # The root is in the draft cache already; feed the accepted drafts after it, and the bonus, parked.
-        reqs, lens = step.reqs, [len(path) for path in paths]
-        slots = torch.cat([torch.cat([step.slots[b, path[1:]], torch.tensor([self.parking + reqs[b].row])])
-                           for b, path in enumerate(paths)])
+        reqs, paths, tokens = [reqs[b] for b in drafted], [paths[b] for b in drafted], [tokens[b] for b in drafted]
+        slots = torch.cat([torch.cat([step.slots[b, path[1:]], torch.tensor([self.parking + r.row])])
+                           for b, r, path in zip(drafted, reqs, paths)])
+        lens = [len(path) for path in paths]
         hidden = self.feed(make_batch(
             self.table, [r.row for r in reqs], [r.kv_len for r in reqs], [t for ts in tokens for t in ts], slots,
-            lens, extra_slots=step.slots[:, 0], extra_lens=[1] * len(reqs)), None)
+            lens, extra_slots=step.slots[drafted, 0], extra_lens=[1] * len(reqs)), None)
+        self.fed[slots] = True
         last = to_device(lens, hidden.device).cumsum(0) - 1
         for b, (r, h) in enumerate(zip(reqs, hidden[last])):
             self.parked[r.row] = (tokens[b][-1], r.kv_len + lens[b], h)
 
     def release(self, req) -> None:
         self.parked.pop(req.row, None)
+        self.behind.pop(req.row, None)
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

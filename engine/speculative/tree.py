@@ -105,6 +105,25 @@ class TreeBatch:
         return TreeBatch(tokens, parent, sizes, chain, max(self.max_depth, max(map(len, chains))),
                          self.max_children + 1)
 
+    def spread(self, at: Sequence[int], roots: torch.Tensor) -> "TreeBatch":
+        """These trees, of requests `at` of a batch, in the whole batch of roots [B]: the other requests'
+        trees are their roots alone."""
+        B, device = roots.shape[0], self.tokens.device
+        index = to_device(list(at), device)
+        tokens = torch.zeros((B, self.width), dtype=self.tokens.dtype, device=device)
+        tokens[:, 0] = roots
+        tokens[index] = self.tokens
+        parents = torch.full((B, self.width), -1, dtype=self.parents.dtype, device=device)
+        parents[index] = self.parents
+        sizes = [1] * B
+        for i, b in enumerate(at):
+            sizes[b] = self.sizes[i]
+        probs = None
+        if self.draft_probs is not None:
+            probs = self.draft_probs.new_zeros((B, *self.draft_probs.shape[1:]))
+            probs[index] = self.draft_probs
+        return TreeBatch(tokens, parents, sizes, self.is_chain, self.max_depth, self.max_children, probs)
+
     @classmethod
     def roots(cls, roots: torch.Tensor) -> "TreeBatch":
         """Root-only trees: plain decoding is verification of an empty draft."""

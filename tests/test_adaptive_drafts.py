@@ -1,0 +1,198 @@
+"""--speculative-adaptive: each step's draft sizes come from the step cost model and each request's
+acceptance, speculation turns off and on again with the batch, and output stays lossless when sizes
+change from step to step and request to request (down to none, where STANDALONE's draft falls behind
+and catches up)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import engine.scheduler as scheduler_module
+from engine import Engine
+from engine.speculative.cost import StepCost
+from engine.speculative.sizing import Acceptance, draft_sizes, expected_accepted
+from tests.drafts import ALGOS, draft_setup
+from tests.test_speculative_lossless import GREEDY, prompts
+from tests.test_standalone import confident_dir, generate, target_dir  # noqa: F401  (fixtures)
+from tests.test_standalone import prompts as standalone_prompts
+
+
+def fitted(slope: float, draft: float = 0.0, rows=range(1, 40)) -> StepCost:
+    """A cost model that has seen steps of a + b * R seconds (b / a = slope), drafting `draft` seconds
+    per request."""
+    cost = StepCost(0.5)
+    for r in list(rows) * 4:
+        cost.observe(r, 0.01 * (1 + slope * r) + draft, 1 if draft else 0, draft)
+    return cost
+
+
+# ------------------------------------------------------------------ the model
+def test_the_cost_model_fits_the_observed_steps():
+    cost = fitted(0.3, draft=0.002)
+    assert cost.seconds(10) == pytest.approx(0.01 * (1 + 0.3 * 10), rel=1e-6)
+    assert cost.seconds(10, 2) - cost.seconds(10) == pytest.approx(0.004, rel=1e-6)
+    assert cost.relative(4, 2) == pytest.approx((1 + 0.3 * 6) / (1 + 0.3 * 4))
+
+
+def test_acceptance_follows_the_verifications():
+    rng, alpha = random.Random(0), 0.7
+    est = Acceptance()
+    for _ in range(400):
+        accepted = 0
+        while accepted < 4 and rng.random() < alpha:
+            accepted += 1
+        est.record(4, accepted)
+    assert abs(est.value - alpha) < 0.12
+    est.record(0, 0)            # nothing proposed: nothing learnt
+    assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
+
+
+def test_one_request_keeps_the_whole_tree_where_rows_are_cheap():
+    assert draft_sizes([0.7], 5, fitted(0.005)) == [5]
+    assert draft_sizes([0.02], 5, fitted(0.005, draft=0.005)) == [0]       # drafting costs more than it gains
+
+
+def test_drafts_shrink_and_turn_off_as_the_batch_grows():
+    cost = fitted(0.25)
+    sizes = {b: draft_sizes([0.6] * b, 5, cost) for b in (1, 2, 4, 8, 16, 32)}
+    totals = [sum(s) / len(s) for s in sizes.values()]
+    assert totals == sorted(totals, reverse=True) and totals[0] >= 2 and totals[-1] == 0
+
+
+def test_requests_that_draft_worst_turn_off_first():
+    sizes = draft_sizes([0.9, 0.5, 0.1, 0.9, 0.5, 0.1], 5, fitted(0.15))
+    assert sizes[0] == sizes[3] > sizes[1] == sizes[4] >= sizes[2] == sizes[5]
+    assert sizes[2] == 0 and sizes[0] > 0
+
+
+def test_exploring_requests_draft_one_token_at_least():
+    assert draft_sizes([0.01, 0.01], 5, fitted(0.5), forced=[True, False]) == [1, 0]
+
+
+# ------------------------------------------------------------------ in the engine
+class RecordDrafts:
+    """Wraps the worker's forward to record every decode step's draft sizes, checking that no tree
+    holds more drafts than its size allowed."""
+
+    def __init__(self, eng: Engine):
+        self.steps = []
+        worker = eng._scheduler.worker
+        forward = worker.forward
+
+        def recording(step):
+            result = forward(step)
+            if hasattr(step, "drafts"):
+                self.steps.append((len(step.reqs), step.drafts))
+                if step.drafts is not None:
+                    assert all(p <= k for p, k in zip(result.proposed, step.drafts)), (result.proposed, step.drafts)
+            return result
+
+        worker.forward = recording
+
+
+class Fixed:
+    """An acceptance estimate that does not move."""
+
+    def __init__(self, value: float):
+        self.value = value
+
+    def record(self, proposed: int, accepted: int) -> None:
+        pass
+
+
+def test_speculation_turns_off_as_the_batch_grows_and_on_again(confident_dir, monkeypatch):  # noqa: F811
+    """With every request's acceptance at 0.5 and rows costing 0.4 of a one-row step each, drafting pays
+    for one or two requests and not for three or more: it runs for a lone request, stops when eleven
+    share the steps, and starts again as they finish."""
+    monkeypatch.setattr(scheduler_module, "Acceptance", lambda *args, **kwargs: Fixed(0.5))
+    eng = Engine(model_path=str(confident_dir), dtype="float32", max_total_tokens=8192,
+                 speculative_algorithm="STANDALONE", speculative_draft_model_path=str(confident_dir),
+                 speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+    eng._scheduler.cost = fitted(0.4)
+    eng._scheduler.cost.observe = lambda *args: None          # the machine's timings aside
+    seen = RecordDrafts(eng)
+    ps = standalone_prompts(12, seed=4, lo=8, hi=12)
+    lens = [6] + [8 + 4 * i for i in range(11)]     # one request alone, then eleven that end one by one
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in lens]
+    expected = generate(Engine(model_path=str(confident_dir), dtype="float32"), ps, params)
+    first = eng.generate(input_ids=ps[0], sampling_params=params[0])
+    rest = eng.generate(input_ids=ps[1:], sampling_params=params[1:])
+    assert [first["output_ids"]] + [o["output_ids"] for o in rest] == expected
+    steps = [(n, sum(k > 0 for k in d)) for n, d in seen.steps if d is not None]
+    assert {on for n, on in steps if n <= 2} == {n for n, _ in steps if n <= 2}     # all drafted
+    assert {on for n, on in steps if n >= 3} == {0}
+    order = [n for n, _ in steps]
+    assert order[0] == 1 and 11 in order and order[-1] == 1     # alone, then eleven, then alone again
+
+
+@pytest.fixture
+def random_sizes(monkeypatch):
+    """Draft sizes drawn at random per request and step (0 included), whatever the cost model says."""
+    rng = random.Random(7)
+    monkeypatch.setattr(scheduler_module, "draft_sizes",
+                        lambda alphas, limit, cost, forced=(): [rng.randint(0, limit) for _ in alphas])
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_lossless_with_sizes_changing_every_step(algo, target, tmp_path, random_sizes):
+    kw = {"model_path": str(target), "dtype": "float32", "max_total_tokens": 8192,
+          **draft_setup(algo, target, tmp_path)}
+    plain = Engine(model_path=kw["model_path"], dtype="float32", max_total_tokens=8192)
+    seeded = {"temperature": 0.9, "top_k": 20, "max_new_tokens": 32, "ignore_eos": True, "seed": 5}
+    expected = [[o["output_ids"] for o in plain.generate(input_ids=prompts(), sampling_params=p)]
+                for p in (GREEDY, seeded)]
+    eng = Engine(speculative_algorithm=algo, speculative_num_steps=3, speculative_eagle_topk=2,
+                 speculative_num_draft_tokens=5, **kw)
+    seen = RecordDrafts(eng)
+    for params, want in zip((GREEDY, seeded), expected):
+        outs = eng.generate(input_ids=prompts(), sampling_params=params)
+        assert [o["output_ids"] for o in outs] == want
+    sizes = {k for _, d in seen.steps if d for k in d}
+    assert sizes == {0, 1, 2, 3, 4}
+
+
+def test_a_lagging_draft_catches_up_exactly(confident_dir, random_sizes):  # noqa: F811
+    """STANDALONE with the target as its own draft accepts every drafted token, however long its draft
+    was left behind, and a prefix a lagging request left in the radix cache is fed again when reused."""
+    eng = Engine(model_path=str(confident_dir), dtype="float32", max_total_tokens=8192,
+                 speculative_algorithm="STANDALONE", speculative_draft_model_path=str(confident_dir),
+                 speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+    ps = standalone_prompts(4, seed=9, lo=6, hi=14)
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    plain = Engine(model_path=str(confident_dir), dtype="float32")
+    first = eng.generate(input_ids=ps, sampling_params=params)
+    assert [o["output_ids"] for o in first] == generate(plain, ps, params)
+    again = [p + o["output_ids"][:30] + [7, 8] for p, o in zip(ps, first)]          # radix hits on lagged prefixes
+    second = eng.generate(input_ids=again, sampling_params=params)
+    assert [o["output_ids"] for o in second] == generate(plain, again, params)
+    drafter = eng._scheduler.worker.drafter
+    assert not drafter.behind and not drafter.parked       # every finished request's state is gone
+    # Every drafted token was accepted (a miss would pull the estimate down).
+    assert eng._scheduler.acceptance.value > 0.95
+
+
+def test_a_budget_keeps_the_best_drafts_of_the_search():
+    """A tree cut to k drafts holds what a search for k + 1 nodes finds: the k best-scoring drafts,
+    parents before children; the other trees of the batch keep theirs."""
+    from engine.speculative.draft_tree_search import search_trees
+
+    B, V, steps, topk = 3, 50, 3, 3
+    roots = torch.arange(B)
+
+    def expand_for(seed: int):
+        def expand(depth, tokens, parents):
+            g = torch.Generator().manual_seed(seed * 100 + depth)
+            return torch.randn((B, topk, V), generator=g) * 3
+        return expand
+
+    scores = torch.randn((B, V), generator=torch.Generator().manual_seed(1)) * 3
+    cut = search_trees(roots, scores, expand_for(2), steps, topk, 10, budgets=[2, 0, 9])
+    for b, k in enumerate([2, 0, 9]):
+        alone = search_trees(roots, scores, expand_for(2), steps, topk, k + 1)
+        assert cut.sizes[b] == k + 1
+        assert cut.tokens[b, :k + 1].tolist() == alone.tokens[b].tolist()
+        assert cut.parents[b, :k + 1].tolist() == alone.parents[b].tolist()
+        assert (cut.tokens[b, k + 1:] == 0).all() and (cut.parents[b, k + 1:] == -1).all()
