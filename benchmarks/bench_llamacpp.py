@@ -22,9 +22,10 @@ quieter moves them alike; figures are medians over rounds and prompts.
 
 llama.cpp's tools are built once, from the llama.cpp that PyPI's llama-cpp-python sdist vendors, into
 ~/.cache/spec/llama.cpp (cmake and a C++ compiler; ~5 min on 2 cores); --llama-bin DIR uses tools built
-elsewhere. On a CPU with AMX they are built without ggml's AMX kernels: those crash on some VMs (a
-general-protection fault in ldtilecfg, seen on the development machine), while oneDNN's AMX, which spec
-uses, runs there. The models: `spec fetch smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b`.
+elsewhere. On a CPU with AMX they are built without ggml's AMX kernels (every other native extension
+named, since -march=native compiles them in): those crash on some VMs (SIGILL on tilezero, or a
+general-protection fault in ldtilecfg, both seen on the development machine), while oneDNN's AMX, which
+spec uses, runs there. The models: `spec fetch smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b`.
 Run it alone: a second busy process on 2 cores skews every number.
 """
 
@@ -50,10 +51,10 @@ DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 
 
 # ------------------------------------------------------------------ llama.cpp
-def build_llama_cpp(cache: Path) -> Path:
-    """The directory of llama.cpp's tools, built the first time."""
+def build_llama_cpp(cache: Path, tools: tuple[str, ...] = TOOLS) -> Path:
+    """The directory of llama.cpp's tools, each built the first time it is asked for."""
     bin_dir = cache / "build" / "bin"
-    if all((bin_dir / t).is_file() for t in TOOLS):
+    if all((bin_dir / t).is_file() for t in tools):
         return bin_dir
     cache.mkdir(parents=True, exist_ok=True)
     print(f"# building llama.cpp ({LLAMA_CPP_PYTHON}'s vendored copy) into {cache}, once", flush=True)
@@ -63,19 +64,31 @@ def build_llama_cpp(cache: Path) -> Path:
     with tarfile.open(sdist) as tar:
         tar.extractall(cache, filter="data")
     src = next(cache.glob("llama_cpp_python-*/vendor/llama.cpp"))
-    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+    server = "ON" if "llama-server" in tools else "OFF"
+    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", f"-DLLAMA_BUILD_SERVER={server}",
              "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DGGML_NATIVE=ON"]
     if "amx" in cpu_flags():
-        flags += ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+        # -march=native compiles ggml's AMX kernels in, which crash on VMs that do not grant AMX to the
+        # process (SIGILL on tilezero, or a general-protection fault in ldtilecfg): every other native
+        # extension, named one by one.
+        flags = [f for f in flags if f != "-DGGML_NATIVE=ON"] + ["-DGGML_NATIVE=OFF"] + [
+            f"-D{option}=ON" for flag, option in X86_OPTIONS.items() if flag in cpu_flags(all_flags=True).split()]
     subprocess.run(["cmake", "-S", str(src), "-B", str(cache / "build"), *flags], check=True)
-    subprocess.run(["cmake", "--build", str(cache / "build"), "-j", str(os.cpu_count() or 2), "--target", *TOOLS],
+    subprocess.run(["cmake", "--build", str(cache / "build"), "-j", str(os.cpu_count() or 2), "--target", *tools],
                    check=True)
     return bin_dir
 
 
-def cpu_flags() -> str:
+def cpu_flags(all_flags: bool = False) -> str:
+    """The CPU's vector flags (every flag with all_flags)."""
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return " ".join(sorted({f for f in text.split() if f.startswith(("avx", "amx"))}))
+    return " ".join(sorted({f for f in text.split() if all_flags or f.startswith(("avx", "amx"))}))
+
+
+# /proc/cpuinfo flag -> ggml's cmake option for it, for builds without -march=native.
+X86_OPTIONS = {"sse4_2": "GGML_SSE42", "f16c": "GGML_F16C", "fma": "GGML_FMA", "bmi2": "GGML_BMI2", "avx": "GGML_AVX",
+               "avx2": "GGML_AVX2", "avx_vnni": "GGML_AVX_VNNI", "avx512f": "GGML_AVX512",
+               "avx512vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16"}
 
 
 def llama_bench(bin_dir: Path, gguf: Path, *args: str) -> list[dict]:
