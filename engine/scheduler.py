@@ -45,8 +45,9 @@ _RESERVE_TOKENS = 8
 _MAX_OVERTAKEN = 16
 # Prompts prefilled in pieces at the same time: a shorter long prompt need not wait for a longer one.
 _MAX_PARTIAL = 4
-# --speculative-adaptive: a request kept from drafting tries again after this many decode steps (where
-# that costs nothing later); the acceptance across requests forgets more slowly than a request's own.
+# --speculative-adaptive: a request kept from drafting tries again after this many decode steps, times a
+# quarter of the batch (where that costs nothing later); the acceptance across requests forgets more
+# slowly than a request's own.
 EXPLORE_EVERY = 16
 ACROSS_DECAY = 0.99
 # A further row's share of a one-row decode step before step times are measured: on a CPU the weight
@@ -327,8 +328,10 @@ class Scheduler:
             if r.acceptance is None:
                 r.acceptance = Acceptance(self.acceptance.value)
         # An estimate that keeps a request off would never change: try it again now and then, where a
-        # skipped step costs the drafter nothing later.
-        explore = [not drafter.catches_up and r.undrafted_steps >= EXPLORE_EVERY for r in reqs]
+        # skipped step costs the drafter nothing later; less often in a larger batch, so that about one
+        # request in four steps explores.
+        every = EXPLORE_EVERY * max(1, len(reqs) // 4)
+        explore = [not drafter.catches_up and r.undrafted_steps >= every for r in reqs]
         sizes = draft_sizes([r.acceptance.value for r in reqs], self.worker.num_draft_tokens - 1, self.cost, explore)
         for r, k in zip(reqs, sizes):
             r.undrafted_steps = 0 if k else r.undrafted_steps + 1
