@@ -299,7 +299,8 @@ def test_constrained_sampling_matches_target_distribution(algo, shape, small_tar
     steps, topk, tokens = shape
     kw = {"model_path": str(small_target), **draft_setup(algo, small_target, tmp_path, vocab=VOCAB)}
     eng = Engine(dtype="float32", max_total_tokens=32768, max_running_requests=256, speculative_algorithm=algo,
-                 speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens, **kw)
+                 speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens,
+                 speculative_adaptive="off", **kw)
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
     sampling = {"temperature": 1.0}
     outs = eng.generate(input_ids=[prompt] * SAMPLES, sampling_params=[

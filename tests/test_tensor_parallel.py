@@ -92,7 +92,7 @@ def test_exact_drafts_are_accepted_as_on_one_process(algo, tmp_path):
     wrongly sharded draft embedding, layer or head would show as a shorter accept length."""
     target = ckpt.make_bigram_target(make_model(tmp_path / "target", "llama", seed=5))
     kw = {"speculative_algorithm": algo, "speculative_num_steps": 3, "speculative_eagle_topk": 1,
-          "speculative_num_draft_tokens": 4}
+          "speculative_num_draft_tokens": 4, "speculative_adaptive": "off"}
     if algo == "EAGLE":
         kw["speculative_draft_model_path"] = str(ckpt.save_eagle_repo(tmp_path / "draft", *ckpt.exact_eagle_tensors(target)))
     elif algo == "MTP":

@@ -535,7 +535,8 @@ def evaluate(model: str, draft_dir: Path, prompts: Sequence[str], max_new_tokens
              dtype: str = "auto", quantization: str = "auto") -> dict:
     """Greedy answers with the head as an EAGLE3 draft, the engine-wide acceptance. The tree is SGLang's
     auto tree for the target family on any device (a CPU serves a smaller one, which caps accept length at
-    2): accept lengths measure the head, comparable across devices and with published ones."""
+    2), verified whole every step (no adaptive sizes): accept lengths measure the head, comparable across
+    devices and with published ones."""
     from engine import Engine
     from engine.config import sglang_auto_tree
     from engine.loader import load_config, load_tokenizer, resolve_model_path
@@ -547,7 +548,7 @@ def evaluate(model: str, draft_dir: Path, prompts: Sequence[str], max_new_tokens
     engine = Engine(model_path=model, dtype=dtype, device=device, quantization=quantization,
                     speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft_dir),
                     speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens,
-                    max_total_tokens=sum(len(p) + max_new_tokens + 16 for p in ids))
+                    speculative_adaptive="off", max_total_tokens=sum(len(p) + max_new_tokens + 16 for p in ids))
     started = time.perf_counter()
     outs = engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens})
     took = time.perf_counter() - started
