@@ -48,7 +48,7 @@ DATASETS = HERE.parent / "shared" / "datasets"
 def prompt_pool(seed: int) -> list[str]:
     """MT-Bench first turns and GSM8K questions in turn, each set shuffled."""
     mt = [json.loads(line)["turns"][0] for line in (DATASETS / "mt_bench" / "question.jsonl").open()]
-    gsm = [json.loads(line)["question"] for line in (DATASETS / "gsm8k" / "question.jsonl").open()]
+    gsm = [json.loads(line)["turns"][0] for line in (DATASETS / "gsm8k" / "question.jsonl").open()]
     rng = random.Random(seed)
     rng.shuffle(mt)
     rng.shuffle(gsm)
