@@ -23,18 +23,29 @@ from tests.test_standalone import prompts as standalone_prompts
 def fitted(slope: float, draft: float = 0.0, rows=range(1, 40)) -> StepCost:
     """A cost model that has seen steps of a + b * R seconds (b / a = slope), drafting `draft` seconds
     per request."""
-    cost = StepCost(0.5)
+    cost = StepCost(slope)
     for r in list(rows) * 4:
         cost.observe(r, 0.01 * (1 + slope * r) + draft, 1 if draft else 0, draft)
     return cost
 
 
 # ------------------------------------------------------------------ the model
-def test_the_cost_model_fits_the_observed_steps():
+def test_the_cost_model_prices_steps_from_those_observed():
     cost = fitted(0.3, draft=0.002)
     assert cost.seconds(10) == pytest.approx(0.01 * (1 + 0.3 * 10), rel=1e-6)
     assert cost.seconds(10, 2) - cost.seconds(10) == pytest.approx(0.004, rel=1e-6)
     assert cost.relative(4, 2) == pytest.approx((1 + 0.3 * 6) / (1 + 0.3 * 4))
+    # Memory-bound to 4 rows, compute-bound past them: between counts seen, interpolated; past the
+    # largest, the slope of the two largest goes on.
+    knee = StepCost(0.1)
+    for rows, seconds in ((1, 0.048), (4, 0.050), (8, 0.100)):
+        knee.observe(rows, seconds)
+    assert knee.seconds(2) == pytest.approx(0.048 + 0.002 / 3)
+    assert knee.seconds(16) == pytest.approx(0.100 + 0.0125 * 8)
+    # One count seen: the prior's slope there.
+    single = StepCost(0.2)
+    single.observe(4, 0.018)
+    assert single.seconds(8) == pytest.approx(0.018 + 4 * 0.2 * 0.018 / 1.8)
 
 
 def test_acceptance_follows_the_verifications():
