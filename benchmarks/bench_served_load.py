@@ -1,7 +1,8 @@
 """Served throughput under concurrency: spec serve configurations and llama-server on the same GGUF.
 
-    python benchmarks/bench_served_load.py --model ~/.cache/spec-models/qwen2.5-coder-1.5b/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \\
-        --draft ~/.cache/spec-models/qwen2.5-coder-0.5b/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \\
+    M=~/.cache/spec-models
+    python benchmarks/bench_served_load.py --model $M/qwen2.5-coder-1.5b/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \\
+        --draft $M/qwen2.5-coder-0.5b/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \\
         [--configs llama-server,plain,NGRAM,STANDALONE] [--concurrency 1,4,8,16,32] [--requests 8] [--rounds 2]
 
 Every server is started first and stays loaded; at each concurrency level they take the same load in
@@ -137,7 +138,9 @@ async def one(client: httpx.AsyncClient, server: Server, prompt: str, max_tokens
 
 async def level(server: Server, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
     gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(1800)) as client:
+    # A connection per request: llama-server may close a kept-alive one just as it is reused.
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800), limits=limits) as client:
         async def limited(p: str) -> dict:
             async with gate:
                 return await one(client, server, p, max_tokens)
@@ -218,7 +221,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
                    for a, b in zip(run["results"], ref["results"]))
         out[name] = {"tok_s": statistics.median(run["tok_s"] for run in rounds),
                      "rounds_tok_s": [run["tok_s"] for run in rounds],
-                     "ttft_p50": pct([x["ttft"] for x in results], 0.5), "ttft_p99": pct([x["ttft"] for x in results], 0.99),
+                     "ttft_p50": pct([x["ttft"] for x in results], 0.5),
+                     "ttft_p99": pct([x["ttft"] for x in results], 0.99),
                      "lat_p50": pct([x["latency"] for x in results], 0.5),
                      "lat_p99": pct([x["latency"] for x in results], 0.99),
                      "same_as_plain": same, "requests": len(results)}

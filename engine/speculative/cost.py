@@ -17,6 +17,9 @@ from bisect import bisect_left
 from typing import Optional
 
 DECAY = 0.9                       # weight of the previous time of a row count, and of a drafted request's cost
+# Drafting is priced once this many steps drafted: the first ones carry one-off work (a root fed after a
+# prefill, first calls), and a price taken from them alone would stop drafting before it is measured.
+DRAFT_WARMUP = 8
 # Slopes are kept at or above this share of the prior's: steps differ in more than their rows, and a
 # rate that found rows free would draft without bound.
 MIN_SLOPE_SHARE = 0.5
@@ -27,6 +30,7 @@ class StepCost:
         self._prior = prior_slope
         self._times: dict[int, float] = {}          # row count -> decayed seconds of the target's forward
         self._draft: Optional[float] = None         # seconds of drafting per drafted request
+        self._drafted_steps = 0
 
     def observe(self, rows: int, seconds: float, drafted: int = 0, draft_seconds: float = 0.0) -> None:
         """A decode step of `rows` target rows took `seconds`, of which `draft_seconds` drafting for
@@ -35,13 +39,16 @@ class StepCost:
         seen = self._times.get(rows)
         self._times[rows] = target if seen is None else DECAY * seen + (1 - DECAY) * target
         if drafted:
+            self._drafted_steps += 1
             per = draft_seconds / drafted
-            self._draft = per if self._draft is None else DECAY * self._draft + (1 - DECAY) * per
+            if self._drafted_steps > 1:             # the first carries the most one-off work: left out
+                self._draft = per if self._draft is None else DECAY * self._draft + (1 - DECAY) * per
 
     def seconds(self, rows: int, drafted: int = 0) -> float:
         """A step's time with `rows` target rows and `drafted` requests drafted for (in units of a
         one-row step before any step was observed)."""
-        return self._target(rows) + (self._draft or 0.0) * drafted
+        priced = self._draft if self._drafted_steps >= DRAFT_WARMUP else 0.0
+        return self._target(rows) + priced * drafted
 
     def relative(self, rows: int, more: int) -> float:
         """Time of a step of rows + more rows over that of `rows` rows (drafting aside)."""
