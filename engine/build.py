@@ -101,7 +101,6 @@ def model_bytes(model: Optional[nn.Module]) -> int:
 def resolve_args(args: ServerArgs, model_config, device: str) -> ServerArgs:
     """`args` resolved against the target's config and the device it runs on, a hub-style token map
     fetched: everything that can be refused is, before any weight loads."""
-
     args = args.resolved(model_config, device)
     if args.speculative_token_map:
         args = replace(args, speculative_token_map=resolve_token_map(args.speculative_token_map))
@@ -109,7 +108,6 @@ def resolve_args(args: ServerArgs, model_config, device: str) -> ServerArgs:
 
 
 def build_engine_parts(args: ServerArgs) -> EngineParts:
-
     device = resolve_device(args.device)
     check_backend(args.attention_backend, device, args.enable_deterministic_inference)   # before any file is read
     if device == "cpu":     # every kernel ready before the first request, and said which
@@ -164,7 +162,6 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
 def build_worker(args: ServerArgs, runner: ModelRunner, kv: KVManager, eos_ids, draft: Optional[nn.Module] = None,
                  drafter=None):
     """The worker for `args`: with `drafter` (one already loaded), or a new drafter over `draft`."""
-
     if drafter is None:
         drafter = create_drafter(args, draft, runner.model, kv.capacity, kv.table.shape[0], kv.table, eos_ids)
     tokens = args.speculative_num_draft_tokens if drafter else 1

@@ -13,7 +13,7 @@ stands in, never less than half of it."""
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, insort
 from typing import Optional
 
 DECAY = 0.9                       # weight of the previous time of a row count, and of a drafted request's cost
@@ -29,6 +29,7 @@ class StepCost:
     def __init__(self, prior_slope: float):
         self._prior = prior_slope
         self._times: dict[int, float] = {}          # row count -> decayed seconds of the target's forward
+        self._counts: list[int] = []                # its keys, sorted (steps are priced many times each)
         self._draft: Optional[float] = None         # seconds of drafting per drafted request
         self._drafted_steps = 0
 
@@ -37,6 +38,8 @@ class StepCost:
         `drafted` requests."""
         target = seconds - draft_seconds
         seen = self._times.get(rows)
+        if seen is None:
+            insort(self._counts, rows)
         self._times[rows] = target if seen is None else DECAY * seen + (1 - DECAY) * target
         if drafted:
             self._drafted_steps += 1
@@ -55,19 +58,19 @@ class StepCost:
         return self._target(rows + more) / self._target(rows)
 
     def _target(self, rows: int) -> float:
-        if not self._times:
+        counts, times = self._counts, self._times
+        if not counts:
             return 1 + self._prior * rows
-        counts = sorted(self._times)
-        times = [self._times[r] for r in counts]
         i = bisect_left(counts, rows)
         if i < len(counts) and counts[i] == rows:
-            return times[i]
+            return times[rows]
         if 0 < i < len(counts):                   # between two row counts seen
-            r0, r1, t0, t1 = counts[i - 1], counts[i], times[i - 1], times[i]
-            return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
-        at, t = (counts[-1], times[-1]) if i else (counts[0], times[0])
-        floor = MIN_SLOPE_SHARE * self._prior * t / (1 + self._prior * at)     # the prior's slope there, halved
-        slope = self._prior * t / (1 + self._prior * at)
+            r0, r1 = counts[i - 1], counts[i]
+            return times[r0] + (times[r1] - times[r0]) * (rows - r0) / (r1 - r0)
+        at = counts[-1] if i else counts[0]
+        prior = self._prior * times[at] / (1 + self._prior * at)       # the prior's slope there
+        slope = prior
         if i and len(counts) > 1:                 # past the largest: the slope of the two largest
-            slope = (times[-1] - times[-2]) / (counts[-1] - counts[-2])
-        return max(t + max(slope, floor) * (rows - at), floor)
+            slope = (times[counts[-1]] - times[counts[-2]]) / (counts[-1] - counts[-2])
+        floor = MIN_SLOPE_SHARE * prior
+        return max(times[at] + max(slope, floor) * (rows - at), floor)
