@@ -366,7 +366,7 @@ class Scheduler:
             start = time.perf_counter()
             result = self._forward(step)
             if result.rows:
-                self.cost.observe(result.rows, time.perf_counter() - start, result.drafted, result.draft_seconds)
+                self.cost.observe(result.rows, time.perf_counter() - start, self._drafted(step), result.draft_seconds)
             return self.apply(step, result)
         except DistributedError:
             raise                               # no request is to blame: the engine cannot go on
@@ -380,6 +380,12 @@ class Scheduler:
             log.exception("request %s failed; ending it", req.rid)
             self._fail(req, exc)
             return [req]
+
+    def _drafted(self, step: DecodeStep) -> int:
+        """Requests the drafter drafted for in a decode step."""
+        if self.worker.drafter is None:
+            return 0
+        return len(step.reqs) if step.drafts is None else sum(k > 0 for k in step.drafts)
 
     def _one_by_one(self, step: Step) -> Iterator[Step]:
         """A failed step's work again, a step per request not ended, each built when the last has run."""

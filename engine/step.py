@@ -55,7 +55,6 @@ class StepResult:
     predicted: Optional[list[int]] = None    # per request, tokens of its prediction chain accepted
     rows: int = 0                            # decode: tokens the target's forward ran (tree nodes)
     proposed: Optional[list[int]] = None     # speculative decode: draft tokens the drafter proposed per request
-    drafted: int = 0                         # requests the drafter drafted for
     draft_seconds: float = 0.0               # time spent in the drafter
     # Per request asking for them (else None): per new token, (logprob, [(token id, logprob)] best first).
     logprobs: Optional[list] = None

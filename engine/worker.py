@@ -158,12 +158,11 @@ class Worker:
             picked = cpu_argmax.argmax(out.logits[rows[on_path]])
             captured = self._captured(out, rows[on_path], lengths, reqs, picked)
         predicted = [sum(i >= n for i in path) for path, n in zip(paths, own)] if step.chain_slots else None
-        drafted = sum(k > 0 for k in step.drafts) if step.drafts is not None else len(reqs)
         return StepResult(tokens, lengths, kept=kept, drafts=[n - 1 for n in lengths] if self.drafter else None,
                           captured=captured, logprobs=None if floats is None else _unpack(reqs, floats, lengths, width),
                           predicted=predicted, rows=sum(tree.sizes),
                           proposed=[n - 1 for n in own] if self.drafter else None,
-                          drafted=drafted if self.drafter else 0, draft_seconds=drafting)
+                          draft_seconds=drafting)
 
     def _drafter_view(self, step: DecodeStep) -> DecodeStep:
         """The step as the drafter sees it: its tree's slot columns, then its scratch, without the
