@@ -13,8 +13,10 @@ TRITON_INTERPRET=0), deselected from the default run and skipped without CUDA.
 from __future__ import annotations
 
 import os
+import traceback
 import warnings
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +29,7 @@ from tests.tiny import make_model, random_prompts
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
+ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"chain": (3, 1, 4), "tree": (3, 2, 6)}
 MODES = {"eager": {"attention_backend": "torch", "disable_cuda_graph": True},
          "triton-graphs": {"attention_backend": "triton", "cuda_graph_max_bs": 8}}
@@ -178,7 +181,7 @@ def test_triton_kernel_matches_reference(kinds, heads, kv_heads, dim, dtype):
 # ---------------------------------------------------------------------------------------- host syncs
 def syncs_per_decode_step(eng: Engine, steps: int = 6) -> list[Counter]:
     """Per decode step (after every request's prefill), the synchronising CUDA calls it made, by the
-    Python line that made them."""
+    line that made them and, when that line is a library's, the innermost line of spec's that led there."""
     reqs = [eng.make_request(p, SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True)) for p in prompts()]
     for req in reqs:
         eng.add_request(req)
@@ -186,16 +189,33 @@ def syncs_per_decode_step(eng: Engine, steps: int = 6) -> list[Counter]:
         eng.step()
     counts = []
     for _ in range(steps):
-        with warnings.catch_warnings(record=True) as caught:
+        sites: Counter = Counter()
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            # Not torch's one-time notice that the debug mode is a prototype ("Synchronization debug mode ...").
+            if "called a synchronizing" in str(message):
+                sites[sync_site(filename, lineno)] += 1
+
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = record
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 eng.step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        counts.append(Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)))
+        counts.append(sites)
     eng.abort_all()
     return counts
+
+
+def sync_site(filename: str, lineno: int) -> str:
+    site = f"{filename}:{lineno}"
+    ours = [f for f in traceback.extract_stack() if f.filename.startswith(str(ROOT / "engine"))
+            or f.filename.startswith(str(ROOT / "kernels"))]
+    if ours and ours[-1].filename != filename:
+        site += f" (from {Path(ours[-1].filename).relative_to(ROOT)}:{ours[-1].lineno})"
+    return site
 
 
 @pytest.mark.parametrize("mode", MODES)
