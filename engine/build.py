@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.attention import check_backend, create_backend
 from engine.config import ServerArgs, model_max_positions
+from engine.cost_probe import forward_times
 from engine.distributed import group as tp
 from engine.graph_runner import attach
 from engine.loader import load_config, load_tokenizer, resolve_model_path
@@ -22,6 +23,7 @@ from engine.memory.kv_pool import KVPool
 from engine.model_runner import ModelRunner, kv_layout, load_model, resolve_device, resolve_dtype, resolve_quantization
 from engine.progress import progress
 from engine.scheduler import Scheduler
+from engine.speculative.cost import StepCost
 from engine.speculative.factory import create_drafter, load_draft_model, unseeded_rule
 from engine.speculative.token_map import resolve_token_map
 from engine.worker import Worker
@@ -153,10 +155,28 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     attach(args, runner, kv, device, max_running, worker.num_draft_tokens if model_draft else 1,
            tree_masks=model_draft and args.speculative_eagle_topk > 1)
     scheduler = Scheduler(args, kv, worker, tokenizer, eos, args.context_length, max_running, device)
+    measure_step_cost(args, scheduler.cost, runner, worker.drafter, kv)
     log.info("model %s: %s%s, %.0f MiB of weights%s; KV pool %d tokens (%.0f MiB)", model_dir, dtype,
              f", {quantization} weights" if quantization else "", model_bytes(target) / 2**20,
              f" + {model_bytes(draft) / 2**20:.0f} MiB draft" if draft is not None else "", slots, slots * per_token / 2**20)
     return EngineParts(args, model_dir, config, tokenizer, kv, runner, draft, scheduler, eos)
+
+
+def measure_step_cost(args: ServerArgs, cost: StepCost, runner: ModelRunner, drafter, kv: KVManager) -> None:
+    """Time forwards of the target (and of a draft model that catches up) for the step cost model. Not
+    under tensor parallelism: every rank would have to run the same forwards, on pools sized apart."""
+    if args.tp_size > 1:
+        return
+    target = forward_times(runner, kv)
+    draft = forward_times(drafter.runner, kv) if drafter is not None and drafter.catches_up else None
+    cost.measured(target, draft)
+    if target:
+        log.info("forward times by rows (for draft sizes): %s%s", _millis(target),
+                 f"; draft model {_millis(draft)}" if draft else "")
+
+
+def _millis(times: dict[int, float]) -> str:
+    return ", ".join(f"{r}: {t * 1e3:.1f} ms" for r, t in times.items())
 
 
 def build_worker(args: ServerArgs, runner: ModelRunner, kv: KVManager, eos_ids, draft: Optional[nn.Module] = None,

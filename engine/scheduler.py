@@ -49,6 +49,7 @@ _MAX_PARTIAL = 4
 # quarter of the batch (where that costs nothing later); the acceptance across requests forgets more
 # slowly than a request's own.
 EXPLORE_EVERY = 16
+CATCH_UP_STEPS = 64
 ACROSS_DECAY = 0.99
 # A further row's share of a one-row decode step before step times are measured: on a CPU the weight
 # kernels are compute-bound past one row; on a GPU rows are nearly free until the batch is large.
@@ -316,7 +317,10 @@ class Scheduler:
         per_req = self.worker.slots_per_request + max(map(len, chains or [[]]))
         if chains and self.kv.available() < per_req * len(reqs):
             chains, per_req = None, self.worker.slots_per_request       # no room: verify the chains later
-        return DecodeStep(reqs, self.kv.alloc(per_req * len(reqs)).view(len(reqs), per_req), chains, drafts)
+        drafter = self.worker.drafter
+        drafted = [r for r, k in zip(reqs, drafts or [1] * len(reqs)) if k] if drafter else []
+        return DecodeStep(reqs, self.kv.alloc(per_req * len(reqs)).view(len(reqs), per_req), chains, drafts,
+                          sum(drafter.lag(r) for r in drafted))
 
     def _drafts(self, reqs: list[Request]) -> Optional[list[int]]:
         """Each request's draft tokens for this step (--speculative-adaptive), as many as pay by the step
@@ -332,7 +336,13 @@ class Scheduler:
         # request in four steps explores.
         every = EXPLORE_EVERY * max(1, len(reqs) // 4)
         explore = [not drafter.catches_up and r.undrafted_steps >= every for r in reqs]
-        sizes = draft_sizes([r.acceptance.value for r in reqs], self.worker.num_draft_tokens - 1, self.cost, explore)
+        # A draft model that skipped a request's tokens feeds them when it drafts again: that pays off over
+        # the steps it goes on drafting (about two tokens each), counted as at most CATCH_UP_STEPS: the
+        # load may change before.
+        catch_up = [self.cost.catch_up(drafter.lag(r)) / max(1, min(r.remaining_tokens() // 2, CATCH_UP_STEPS))
+                    for r in reqs]
+        sizes = draft_sizes([r.acceptance.value for r in reqs], self.worker.num_draft_tokens - 1, self.cost, explore,
+                            catch_up)
         for r, k in zip(reqs, sizes):
             r.undrafted_steps = 0 if k else r.undrafted_steps + 1
         return sizes
@@ -366,7 +376,8 @@ class Scheduler:
             start = time.perf_counter()
             result = self._forward(step)
             if result.rows:
-                self.cost.observe(result.rows, time.perf_counter() - start, self._drafted(step), result.draft_seconds)
+                self.cost.observe(result.rows, time.perf_counter() - start, self._drafted(step), result.draft_seconds,
+                                  step.catch_up)
             return self.apply(step, result)
         except DistributedError:
             raise                               # no request is to blame: the engine cannot go on

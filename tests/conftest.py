@@ -27,17 +27,19 @@ def _one_thread():
 @pytest.fixture(autouse=True, scope="session")
 def _untimed_steps():
     """Engines size drafts and prediction chains by the prior step cost, not by this machine's step
-    times: what a test sees must not depend on how fast the machine is (tests/test_adaptive_drafts.py
-    gives the cost model timings of its own)."""
+    times or forwards timed at start-up: what a test sees must not depend on how fast the machine is
+    (tests/test_adaptive_drafts.py gives the cost model timings of its own)."""
+    import engine.build
     import engine.scheduler
     from engine.speculative.cost import StepCost
 
     class Untimed(StepCost):
-        def observe(self, rows, seconds, drafted=0, draft_seconds=0.0):
+        def observe(self, *args):
             pass
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(engine.scheduler, "StepCost", Untimed)
+        patch.setattr(engine.build, "forward_times", lambda runner, kv: {})
         yield
 
 

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import engine.scheduler as scheduler_module
+from engine import cost_probe
 from engine import Engine
+from engine.speculative import standalone
 from engine.speculative.cost import StepCost
 from engine.speculative.sizing import Acceptance, draft_sizes, expected_accepted
 from tests.drafts import ALGOS, draft_setup
@@ -46,6 +48,53 @@ def test_the_cost_model_prices_steps_from_those_observed():
     single = StepCost(0.2)
     single.observe(4, 0.018)
     assert single.seconds(8) == pytest.approx(0.018 + 4 * 0.2 * 0.018 / 1.8)
+
+
+def test_forwards_measured_at_start_up_price_steps_before_any_is_observed():
+    # 1 to 4 rows memory-bound, compute-bound past them; a noisy 2-row time below the 1-row one.
+    cost = StepCost(0.1)
+    cost.measured({1: 0.050, 2: 0.049, 4: 0.052, 8: 0.090, 16: 0.170}, draft={1: 0.020, 8: 0.034, 32: 0.100})
+    assert cost.seconds(1) == pytest.approx(0.050) and cost.seconds(2) == pytest.approx(0.050)   # never cheaper
+    assert cost.seconds(6) == pytest.approx(0.071)
+    assert cost.seconds(24) == pytest.approx(0.170 + 8 * 0.010)        # past the largest: its last slope
+    # Observed steps carry host work a bare forward does not: outside the counts seen, the measured
+    # curve scaled through the nearest one.
+    cost.observe(4, 0.060)
+    assert cost.seconds(4) == pytest.approx(0.060)
+    assert cost.seconds(16) == pytest.approx(0.060 * 0.170 / 0.052)
+    # A draft model 7 tokens behind feeds them with the next root: 8 rows where 1 would do.
+    assert cost.catch_up(7) == pytest.approx(0.014) and cost.catch_up(0) == 0
+    assert StepCost(0.1).catch_up(7) == 0                               # nothing measured: not priced
+
+
+def test_a_catch_up_keeps_a_request_off_until_it_pays():
+    cost = fitted(0.05, draft=0.001)
+    assert draft_sizes([0.6, 0.6], 4, cost) == draft_sizes([0.6, 0.6], 4, cost, extra=[0.0, 0.0])
+    on = draft_sizes([0.6, 0.6], 4, cost, extra=[0.0, 0.05])
+    assert on[0] > 0 and on[1] == 0
+    assert draft_sizes([0.6, 0.6], 4, cost, extra=[0.0, 0.0005])[1] > 0   # a small one is worth paying
+
+
+def test_the_forwards_are_timed_on_the_engine_s_own_runners(confident_dir, monkeypatch):  # noqa: F811
+    """The build times the target's forwards, and the draft model's where it catches up (the timer is
+    stubbed out in the other tests: timings vary by machine), and hands back every slot it used."""
+    import engine.build as build
+
+    timed = []
+    monkeypatch.setattr(build, "forward_times", lambda runner, kv: timed.append(runner) or
+                        cost_probe.forward_times(runner, kv))
+    eng = Engine(model_path=str(confident_dir), dtype="float32", max_total_tokens=8192,
+                 speculative_algorithm="STANDALONE", speculative_draft_model_path=str(confident_dir),
+                 speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+    sch = eng._scheduler
+    assert timed == [eng._target, sch.worker.drafter.runner]
+    assert sch.kv.unused() == sch.kv.capacity
+    times = cost_probe.forward_times(eng._target, sch.kv)
+    assert list(times) == list(cost_probe.ROWS) and min(times.values()) > 0
+    # Output after the probe is what it was: the probe wrote no slot a request reads.
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    ps = standalone_prompts(2, seed=3, lo=6, hi=10)
+    assert generate(eng, ps, params) == generate(Engine(model_path=str(confident_dir), dtype="float32"), ps, params)
 
 
 def test_acceptance_follows_the_verifications():
@@ -144,7 +193,7 @@ def random_sizes(monkeypatch):
     """Draft sizes drawn at random per request and step (0 included), whatever the cost model says."""
     rng = random.Random(7)
     monkeypatch.setattr(scheduler_module, "draft_sizes",
-                        lambda alphas, limit, cost, forced=(): [rng.randint(0, limit) for _ in alphas])
+                        lambda alphas, limit, cost, forced=(), extra=(): [rng.randint(0, limit) for _ in alphas])
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -165,9 +214,11 @@ def test_lossless_with_sizes_changing_every_step(algo, target, tmp_path, random_
     assert sizes == {0, 1, 2, 3, 4}
 
 
-def test_a_lagging_draft_catches_up_exactly(confident_dir, random_sizes):  # noqa: F811
+def test_a_lagging_draft_catches_up_exactly(confident_dir, random_sizes, monkeypatch):  # noqa: F811
     """STANDALONE with the target as its own draft accepts every drafted token, however long its draft
-    was left behind, and a prefix a lagging request left in the radix cache is fed again when reused."""
+    was left behind (caught up in pieces of 5 tokens here), and a prefix a lagging request left in the
+    radix cache is fed again when reused."""
+    monkeypatch.setattr(standalone, "CATCH_UP_CHUNK", 5)
     eng = Engine(model_path=str(confident_dir), dtype="float32", max_total_tokens=8192,
                  speculative_algorithm="STANDALONE", speculative_draft_model_path=str(confident_dir),
                  speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)

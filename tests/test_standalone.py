@@ -275,8 +275,8 @@ def test_full_token_map_with_own_draft_accepts_everything(tmp_path, target_dir, 
 def test_one_draft_forward_a_step_with_requests_joining(target_dir, draft_dir):
     """After a verification one draft forward feeds the accepted drafts and the bonus, whose K/V is parked
     and whose scores start the next step: a step with a one-step tree runs no other draft forward, but
-    for a request's first step after its prefill. Requests join while others decode (2 run at most),
-    and outputs stay plain decoding's."""
+    for a request's first step, which feeds its prompt with the root (the prefill feeds the draft
+    nothing). Requests join while others decode (2 run at most), and outputs stay plain decoding's."""
     ps = prompts(4, seed=11)
     params = [{**GREEDY, "max_new_tokens": n} for n in (9, 24, 13, 20)]
     ref = [o["output_ids"] for o in engine(target_dir, max_running_requests=2).generate(input_ids=ps,
@@ -295,8 +295,8 @@ def test_one_draft_forward_a_step_with_requests_joining(target_dir, draft_dir):
     for name in calls:
         setattr(drafter, name, counted(name))
     assert [o["output_ids"] for o in eng.generate(input_ids=ps, sampling_params=params)] == ref
-    steps, prefills = calls["draft"], calls["after_prefill"]
-    assert steps > 10 and steps + prefills < calls["feed"] <= steps + prefills + len(ps), calls
+    steps = calls["draft"]
+    assert steps > 10 and steps < calls["feed"] <= steps + len(ps), calls
     assert not drafter.parked       # released with their requests
 
 

@@ -32,6 +32,10 @@ class Drafter:
         """Per request, the most draft tokens its tree may hold this step (step.drafts, else the tree's)."""
         return step.drafts if step.drafts is not None else [self.num_draft_tokens - 1] * len(step.reqs)
 
+    def lag(self, req: Request) -> int:
+        """Committed tokens of the request this drafter skipped, which drafting for it next feeds first."""
+        return 0
+
     def after_prefill(self, step: PrefillStep, out: ForwardOutput, next_tokens: Sequence[int]) -> None:
         """The target fed these prompt pieces; next_tokens[i] follows piece i (the next prompt token or
         the sampled first output)."""

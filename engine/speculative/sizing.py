@@ -6,8 +6,9 @@ those before it were, estimated from its own verifications (decayed, so it follo
 starting from the algorithm's running average. k draft tokens are then expected to add
 alpha + alpha^2 + ... + alpha^k accepted tokens to the one every step yields; a tree of k nodes does at
 least as well as a chain of k, so the estimate errs towards drafting less. The cost of a step is the
-machine's (cost.py): the target's forward grows with the rows every request's draft adds, and drafting
-costs its time per request drafted for.
+machine's (cost.py): the target's forward grows with the rows every request's draft adds, drafting
+costs its time per request drafted for, and a draft model that skipped a request's recent tokens feeds
+them first (priced over the steps that catch-up serves).
 
 Tokens per second, sum_b (1 + E_b(k_b)) / T(k), is maximised by Dinkelbach's iteration: for the current
 ratio lam, each request alone takes the k maximising 1 + E_b(k) - lam * (its rows and drafting time),
@@ -61,11 +62,14 @@ def expected_accepted(alpha: float, k: int) -> float:
     return total
 
 
-def draft_sizes(alphas: Sequence[float], limit: int, cost: StepCost, forced: Sequence[bool] = ()) -> list[int]:
+def draft_sizes(alphas: Sequence[float], limit: int, cost: StepCost, forced: Sequence[bool] = (),
+                extra: Sequence[float] = ()) -> list[int]:
     """Draft tokens per request, 0..limit, maximising expected tokens per second of the whole step.
-    forced[b]: request b drafts at least one token (exploring an estimate that would keep it off)."""
+    forced[b]: request b drafts at least one token (exploring an estimate that would keep it off).
+    extra[b]: seconds drafting for request b adds this step beyond the usual (a catch-up's share)."""
     B = len(alphas)
     forced = list(forced) or [False] * B
+    extra = list(extra) or [0.0] * B
     if limit <= 0:
         return [0] * B
     row = cost.seconds(1) - cost.seconds(0)                     # what one more row adds
@@ -73,9 +77,10 @@ def draft_sizes(alphas: Sequence[float], limit: int, cost: StepCost, forced: Seq
 
     def ratio(sizes: list[int]) -> float:
         tokens = sum(1 + expected_accepted(a, k) for a, k in zip(alphas, sizes))
-        return tokens / cost.seconds(B + sum(sizes), sum(1 for k in sizes if k))
+        more = sum(e for e, k in zip(extra, sizes) if k)
+        return tokens / (cost.seconds(B + sum(sizes), sum(1 for k in sizes if k)) + more)
 
-    def best(alpha: float, must: bool, lam: float) -> int:
+    def best(alpha: float, must: bool, lam: float, once: float) -> int:
         # The k-th token pays its row while alpha^k > lam * row: the best k >= 1 is the largest such
         # (1 at least); then it must pay for the drafting too, unless forced.
         threshold = lam * row
@@ -85,14 +90,14 @@ def draft_sizes(alphas: Sequence[float], limit: int, cost: StepCost, forced: Seq
             k = limit
         else:
             k = max(1, min(limit, int(math.log(threshold) / math.log(alpha) - 1e-9)))
-        if must or expected_accepted(alpha, k) > lam * (row * k + drafting):
+        if must or expected_accepted(alpha, k) > lam * (row * k + drafting + once):
             return k
         return 0
 
     sizes = [1 if f else 0 for f in forced]
     lam = ratio(sizes)
     for _ in range(8):
-        chosen = [best(a, f, lam) for a, f in zip(alphas, forced)]
+        chosen = [best(a, f, lam, e) for a, f, e in zip(alphas, forced, extra)]
         new = ratio(chosen)
         if new <= lam * (1 + 1e-9):
             break

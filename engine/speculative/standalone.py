@@ -8,13 +8,15 @@ logits are the next step's root scores, and its K/V waits in a parking slot of t
 verification then commits. One draft forward a step where there were two (the drafts, then the root:
 a memory-bound forward costs about the same for 1 token or 4). A root without parked scores (the first
 step after a prefill) is fed at its tree slot. Deeper frontiers see the root and their drafted
-ancestors. After a prefill piece, the piece's tokens are fed at its slots.
+ancestors.
 
-A request left without drafts for a step (--speculative-adaptive, under load) costs the draft nothing:
-its tokens are not fed, and the draft falls behind the target. The step it drafts again feeds every
-token it skipped in the same forward as the root. Which slots hold the draft's K/V of their committed
-token is kept per slot (`fed`), so a prefix that a lagging request left in the radix cache is fed again
-by the request that reuses it, from its first slot the draft never saw.
+The draft is fed only for requests it drafts for. A prompt is not fed at its prefill, and a request left
+without drafts for a step (--speculative-adaptive, under load) costs the draft nothing: the draft falls
+behind the target. The step a request drafts (again) feeds every token the draft skipped, in pieces of
+at most CATCH_UP_CHUNK tokens, the last one in the same forward as the root; a request that never
+drafts (a batch too large for drafting to pay) never costs a draft forward. Which slots hold the draft's
+K/V of their committed token is kept per slot (`fed`), so a prefix that a request fed for left in the
+radix cache is not fed again by the request that reuses it, and one it skipped is.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 
 # Token ids compared when two tokenizers are checked for being the same one.
 _TOKENIZER_SAMPLE = 512
+# The most skipped tokens fed in one draft forward (a long prompt is caught up in pieces, as prefilled).
+CATCH_UP_CHUNK = 512
 
 
 def load_draft(args: ServerArgs, target: nn.Module, target_dir, dtype: torch.dtype, device: str,
@@ -107,12 +111,12 @@ class StandaloneDrafter(ModelDrafter):
         if missing := [b for b in range(len(reqs)) if hidden[b] is None]:
             # The root, after whatever the draft fell behind on (positions starts[b] .. kv_len - 1).
             fed = [reqs[b] for b in missing]
-            lens = [r.kv_len - starts[b] + 1 for b, r in zip(missing, fed)]
-            slots = torch.cat([torch.cat([self.table[r.row, starts[b]:r.kv_len].cpu(), step.slots[b, :1]])
-                               for b, r in zip(missing, fed)])
-            batch = make_batch(self.table, [r.row for r in fed], [starts[b] for b in missing],
-                               [t for b, r in zip(missing, fed) for t in r.token_ids[starts[b]:r.kv_len + 1]],
-                               slots, lens)
+            starts = self._catch_up(fed, [starts[b] for b in missing])
+            lens = [r.kv_len - s + 1 for r, s in zip(fed, starts)]
+            slots = torch.cat([torch.cat([self.table[r.row, s:r.kv_len].cpu(), step.slots[b, :1]])
+                               for b, r, s in zip(missing, fed, starts)])
+            batch = make_batch(self.table, [r.row for r in fed], starts,
+                               [t for r, s in zip(fed, starts) for t in r.token_ids[s:r.kv_len + 1]], slots, lens)
             out = self.feed(batch, None)
             self.fed[slots] = True
             for b, h in zip(missing, out[to_device(lens, out.device).cumsum(0) - 1]):
@@ -120,19 +124,30 @@ class StandaloneDrafter(ModelDrafter):
         self.fed[step.slots[ready, 0]] = True
         return self.scores(torch.stack(hidden)), None
 
+    def _catch_up(self, reqs, starts: list[int]) -> list[int]:
+        """Feed what the draft skipped of each request, in pieces, until at most CATCH_UP_CHUNK tokens
+        are left before its newest; returns where each request now stands."""
+        starts = list(starts)
+        while far := [b for b, (r, s) in enumerate(zip(reqs, starts)) if r.kv_len - s > CATCH_UP_CHUNK]:
+            slots = torch.cat([self.table[reqs[b].row, starts[b]:starts[b] + CATCH_UP_CHUNK].cpu() for b in far])
+            tokens = [t for b in far for t in reqs[b].token_ids[starts[b]:starts[b] + CATCH_UP_CHUNK]]
+            self.feed(make_batch(self.table, [reqs[b].row for b in far], [starts[b] for b in far], tokens, slots,
+                                 [CATCH_UP_CHUNK] * len(far)), None)
+            self.fed[slots] = True
+            for b in far:
+                starts[b] += CATCH_UP_CHUNK
+        return starts
+
+    def lag(self, req) -> int:
+        return req.kv_len - self.behind.get(req.row, req.kv_len)
+
     def after_prefill(self, step: PrefillStep, out: ForwardOutput, next_tokens: Sequence[int]) -> None:
-        # Fed from the first position the draft has not seen: its own earlier pieces were fed, a prefix
-        # from the radix cache may hold slots a lagging request committed without the draft.
-        reqs = step.reqs
-        starts = [self.behind.pop(r.row, None) for r in reqs]
-        starts = [s if s is not None else self._first_unfed(r) for s, r in zip(starts, reqs)]
-        offsets = torch.tensor([0] + list(step.lens)).cumsum(0).tolist()
-        slots = torch.cat([torch.cat([self.table[r.row, s:r.kv_len].cpu(), step.slots[offsets[i]:offsets[i + 1]]])
-                           for i, (r, s) in enumerate(zip(reqs, starts))])
-        tokens = [t for r, s, n in zip(reqs, starts, step.lens) for t in r.token_ids[s:r.kv_len + n]]
-        self.feed(make_batch(self.table, [r.row for r in reqs], starts, tokens, slots,
-                             [r.kv_len + n - s for r, s, n in zip(reqs, starts, step.lens)]), None)
-        self.fed[slots] = True
+        # Nothing is fed (the module docstring). The draft stands at the first position it has not seen:
+        # a prefix from the radix cache may hold slots it was fed.
+        for r in step.reqs:
+            if r.row not in self.behind:
+                self.behind[r.row] = self._first_unfed(r)
+        self.fed[step.slots] = False
 
     def _first_unfed(self, req) -> int:
         unfed = (~self.fed[self.table[req.row, :req.kv_len].cpu()]).nonzero()
