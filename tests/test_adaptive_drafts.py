@@ -14,7 +14,7 @@ import engine.scheduler as scheduler_module
 from engine import cost_probe
 from engine import Engine
 from engine.speculative import standalone
-from engine.speculative.cost import StepCost
+from engine.speculative.cost import Curve, StepCost
 from engine.speculative.sizing import Acceptance, draft_sizes, expected_accepted
 from tests.drafts import ALGOS, draft_setup
 from tests.test_speculative_lossless import GREEDY, prompts
@@ -65,6 +65,19 @@ def test_forwards_measured_at_start_up_price_steps_before_any_is_observed():
     # A draft model 7 tokens behind feeds them with the next root: 8 rows where 1 would do.
     assert cost.catch_up(7) == pytest.approx(0.014) and cost.catch_up(0) == 0
     assert StepCost(0.1).catch_up(7) == 0                               # nothing measured: not priced
+
+
+def test_sizes_from_timed_forwards_match_sizes_from_observed_steps():
+    """A cost model that only timed forwards at start-up sizes drafts as one that observed steps taking
+    those times: every row count priced, the marginal row too (memory-bound to 4 rows here)."""
+    times = {1: 0.050, 2: 0.051, 4: 0.053, 8: 0.075, 16: 0.130, 32: 0.240}
+    timed, observed = StepCost(0.1), StepCost(0.1)
+    timed.measured(times)
+    for rows in range(1, 65):
+        observed.observe(rows, Curve(times)(rows))
+    for alphas in ([0.7], [0.8, 0.4], [0.75] * 4, [0.6] * 8, [0.9, 0.5, 0.2] * 4):
+        assert draft_sizes(alphas, 5, timed) == draft_sizes(alphas, 5, observed), alphas
+    assert draft_sizes([0.8], 5, timed) == [5] and draft_sizes([0.6] * 8, 5, timed) == [0] * 8
 
 
 def test_a_catch_up_keeps_a_request_off_until_it_pays():

@@ -60,7 +60,7 @@ class StepCost:
 
     def seconds(self, rows: int, drafted: int = 0) -> float:
         """A step's time with `rows` target rows and `drafted` requests drafted for (in units of a
-        one-row step before any step was observed)."""
+        one-row step where no forward was timed or observed)."""
         priced = self._draft if self._drafted_steps >= DRAFT_WARMUP else 0.0
         return self._target(rows) + priced * drafted
 
