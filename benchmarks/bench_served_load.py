@@ -6,7 +6,8 @@
         [--configs llama-server,plain,NGRAM,STANDALONE] [--concurrency 1,4,8,16,32] [--requests 8] [--rounds 2]
 
 Every server is started first and stays loaded; at each concurrency level they take the same load in
-turn (the order rotated round by round), so a machine getting busier or quieter moves them alike:
+turn, in the listed order and then in reverse, round after round (a pair of rounds also starts from
+the next server), so a machine getting busier or quieter during a round favours none of them:
 max(--requests, concurrency) chat prompts (MT-Bench first turns and GSM8K questions in turn, fresh at
 every level and round: no server gets a prompt it has cached), sent by `concurrency` clients at once,
 streamed, greedy, --max-tokens new tokens at most. Reported per level and server: aggregate output
@@ -198,7 +199,9 @@ def main() -> None:
             runs = {s.name: [] for s in servers}
             for r in range(args.rounds):
                 prompts, pool = pool[:n], pool[n:]
-                order = servers[r % len(servers):] + servers[:r % len(servers)]
+                start = r // 2 % len(servers)
+                order = servers[start:] + servers[:start]
+                order = order if r % 2 == 0 else order[::-1]
                 for s in order:
                     out = asyncio.run(level(s, prompts, c, args.max_tokens))
                     runs[s.name].append(out)
