@@ -985,3 +985,28 @@ def test_shutdown_answers_streams_past_the_grace_period(model_dir, monkeypatch):
     assert rest[-1] == "[DONE]"
     err = json.loads(rest[-2])["error"]
     assert err["code"] == "aborted" and "shutting down" in err["message"]
+
+
+def test_the_engine_loads_on_a_thread_that_ends(model_dir, monkeypatch):
+    """spec serve builds its engine on a thread that ends before serving starts: a thread that ran
+    OpenMP work and lives on keeps OpenMP workers that slow every step of the engine thread (launch.py)."""
+    from engine.errors import ConfigError
+    from engine.server import launch
+
+    seen = []
+    assert launch.on_own_thread(lambda: seen.append(threading.current_thread()) or 7) == 7
+    assert seen[0] is not threading.main_thread() and not seen[0].is_alive()
+
+    def refuse():
+        raise ConfigError("no such model")
+    with pytest.raises(ConfigError, match="no such model"):
+        launch.on_own_thread(refuse)
+
+    class Built(Exception):
+        pass
+
+    def built(build):
+        raise Built(build().args.model_path)
+    monkeypatch.setattr(launch, "on_own_thread", built)
+    with pytest.raises(Built, match=str(model_dir)):
+        launch.run_server(ServerArgs(model_path=str(model_dir)))

@@ -7,6 +7,8 @@ import contextlib
 import logging
 import os
 import sys
+import threading
+from typing import Callable, TypeVar
 
 import uvicorn
 
@@ -16,6 +18,7 @@ from engine.server.app import ENGINE_STOP_S, create_app
 from engine.server.limits import ReadDeadlineProtocol
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # In-flight requests get this long to finish after SIGTERM/Ctrl-C; then they are aborted, and each is
 # answered (a stream's error event, a 503) within ANSWER_S more, before the connections close.
@@ -37,7 +40,7 @@ def run_server(args: ServerArgs) -> None:
 
         sys.exit(serve_node(args))
     log.info("loading %s", args.model_path)
-    engine = Engine(server_args=args)
+    engine = on_own_thread(lambda: Engine(server_args=args))
     server = make_server(engine, args)
     loop = server.config.app.state.serving.loop
     failures: list[str] = []
@@ -62,6 +65,35 @@ def run_server(args: ServerArgs) -> None:
     if failures:
         sys.exit(1)
     engine.shutdown()
+
+
+def on_own_thread(build: Callable[[], T]) -> T:
+    """build() run on a thread that then ends: its result, or its exception raised here.
+
+    The engine's steps run on the engine thread (engine_loop.py) and use OpenMP. A thread that ran
+    OpenMP work and lives on, as the main thread does serving HTTP, keeps its OpenMP workers; with more
+    of them than cores, libgomp stops spinning between parallel regions and puts its workers to sleep
+    at every one, which halved SmolLM2's decoding speed. Loading, conversion and the start-up timings run
+    OpenMP work, so the engine is built apart. Ctrl-C while it loads exits at once (130)."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = build()
+        except BaseException as exc:   # noqa: BLE001 - raised again on the calling thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="spec-load", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.5)
+    except KeyboardInterrupt:
+        sys.stderr.flush()
+        os._exit(130)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 def make_server(engine: Engine, args: ServerArgs) -> "Server":
