@@ -73,8 +73,9 @@ def on_own_thread(build: Callable[[], T]) -> T:
     The engine's steps run on the engine thread (engine_loop.py) and use OpenMP. A thread that ran
     OpenMP work and lives on, as the main thread does serving HTTP, keeps its OpenMP workers; with more
     of them than cores, libgomp stops spinning between parallel regions and puts its workers to sleep
-    at every one, which halved SmolLM2's decoding speed. Loading, conversion and the start-up timings run
-    OpenMP work, so the engine is built apart. Ctrl-C while it loads exits at once (130)."""
+    at every one, so that every step pays to wake them (docs/serving.md, "How it runs"). Loading,
+    conversion and the start-up timings run OpenMP work, so the engine is built apart. Ctrl-C while it
+    loads exits at once (130)."""
     box: dict = {}
 
     def run() -> None:

@@ -6,9 +6,9 @@ accepted drafts at the slots the target commits them to and the bonus token afte
 logits are the next step's root scores, and its K/V waits in a parking slot of the request's table row
 (beyond the allocator's slots) until that step copies it into the root's own tree slot, which the
 verification then commits. One draft forward a step where there were two (the drafts, then the root:
-a memory-bound forward costs about the same for 1 token or 4). A root without parked scores (the first
-step after a prefill) is fed at its tree slot. Deeper frontiers see the root and their drafted
-ancestors.
+a memory-bound forward costs about the same for 1 token or 4). A root without parked scores (a
+request's first drafted step, or its first after steps without drafts) is fed at its tree slot, after
+what the draft skipped. Deeper frontiers see the root and their drafted ancestors.
 
 The draft is fed only for requests it drafts for. A prompt is not fed at its prefill, and a request left
 without drafts for a step (--speculative-adaptive, under load) costs the draft nothing: the draft falls
