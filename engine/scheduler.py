@@ -46,8 +46,8 @@ _MAX_OVERTAKEN = 16
 # Prompts prefilled in pieces at the same time: a shorter long prompt need not wait for a longer one.
 _MAX_PARTIAL = 4
 # --speculative-adaptive: a request kept from drafting tries again after this many decode steps, times a
-# quarter of the batch (where that costs nothing later); the acceptance across requests forgets more
-# slowly than a request's own.
+# quarter of the batch (where that costs nothing later); a draft model's catch-up is priced over at most
+# CATCH_UP_STEPS steps; the acceptance across requests forgets more slowly than a request's own.
 EXPLORE_EVERY = 16
 CATCH_UP_STEPS = 64
 ACROSS_DECAY = 0.99
