@@ -70,7 +70,7 @@ def draft_sizes(alphas: Sequence[float], limit: int, cost: StepCost, forced: Seq
     B = len(alphas)
     forced = list(forced) or [False] * B
     extra = list(extra) or [0.0] * B
-    if limit <= 0:
+    if limit <= 0 or not B:
         return [0] * B
     row = (cost.seconds(2 * B) - cost.seconds(B)) / B            # what one more row adds, at this batch
     drafting = cost.seconds(0, 1) - cost.seconds(0)              # what drafting for one request adds
