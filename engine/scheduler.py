@@ -312,19 +312,21 @@ class Scheduler:
         return True
 
     def _decode_step(self, reqs: list[Request]) -> DecodeStep:
-        drafts = self._drafts(reqs)
+        drafter = self.worker.drafter
+        lags = [drafter.lag(r) for r in reqs] if drafter else [0] * len(reqs)
+        drafts = self._drafts(reqs, lags)
         chains = self._chains(reqs, drafts)
         per_req = self.worker.slots_per_request + max(map(len, chains or [[]]))
         if chains and self.kv.available() < per_req * len(reqs):
             chains, per_req = None, self.worker.slots_per_request       # no room: verify the chains later
-        drafter = self.worker.drafter
-        drafted = [r for r, k in zip(reqs, drafts or [1] * len(reqs)) if k] if drafter else []
+        catch_up = sum(lag for lag, on in zip(lags, self._drafting(reqs, drafts)) if on)
         return DecodeStep(reqs, self.kv.alloc(per_req * len(reqs)).view(len(reqs), per_req), chains, drafts,
-                          sum(drafter.lag(r) for r in drafted))
+                          catch_up)
 
-    def _drafts(self, reqs: list[Request]) -> Optional[list[int]]:
+    def _drafts(self, reqs: list[Request], lags: list[int]) -> Optional[list[int]]:
         """Each request's draft tokens for this step (--speculative-adaptive), as many as pay by the step
-        cost model and its recent acceptance (engine/speculative/sizing.py); None: the whole tree."""
+        cost model and its recent acceptance (engine/speculative/sizing.py); None: the whole tree.
+        lags[b]: tokens of request b the drafter skipped (Drafter.lag)."""
         drafter = self.worker.drafter
         if drafter is None or self.args.speculative_adaptive == "off":
             return None
@@ -339,8 +341,8 @@ class Scheduler:
         # A draft model that skipped a request's tokens feeds them when it drafts again: that pays off over
         # the steps it goes on drafting (about two tokens each), counted as at most CATCH_UP_STEPS: the
         # load may change before.
-        catch_up = [self.cost.catch_up(drafter.lag(r)) / max(1, min(r.remaining_tokens() // 2, CATCH_UP_STEPS))
-                    for r in reqs]
+        catch_up = [self.cost.catch_up(lag) / max(1, min(r.remaining_tokens() // 2, CATCH_UP_STEPS))
+                    for r, lag in zip(reqs, lags)]
         sizes = draft_sizes([r.acceptance.value for r in reqs], self.worker.num_draft_tokens - 1, self.cost, explore,
                             catch_up)
         for r, k in zip(reqs, sizes):
@@ -376,8 +378,8 @@ class Scheduler:
             start = time.perf_counter()
             result = self._forward(step)
             if result.rows:
-                self.cost.observe(result.rows, time.perf_counter() - start, self._drafted(step), result.draft_seconds,
-                                  step.catch_up)
+                drafted = sum(self._drafting(step.reqs, step.drafts))
+                self.cost.observe(result.rows, time.perf_counter() - start, drafted, result.draft_seconds, step.catch_up)
             return self.apply(step, result)
         except DistributedError:
             raise                               # no request is to blame: the engine cannot go on
@@ -392,11 +394,11 @@ class Scheduler:
             self._fail(req, exc)
             return [req]
 
-    def _drafted(self, step: DecodeStep) -> int:
-        """Requests the drafter drafted for in a decode step."""
+    def _drafting(self, reqs: Sequence[Request], drafts: Optional[Sequence[int]]) -> list[bool]:
+        """Per request, whether the drafter drafts for it in a decode step of these sizes."""
         if self.worker.drafter is None:
-            return 0
-        return len(step.reqs) if step.drafts is None else sum(k > 0 for k in step.drafts)
+            return [False] * len(reqs)
+        return [True] * len(reqs) if drafts is None else [k > 0 for k in drafts]
 
     def _one_by_one(self, step: Step) -> Iterator[Step]:
         """A failed step's work again, a step per request not ended, each built when the last has run."""

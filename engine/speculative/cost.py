@@ -19,8 +19,9 @@ from bisect import bisect_left, insort
 from typing import Mapping, Optional
 
 DECAY = 0.9                       # weight of the previous time of a row count, and of a drafted request's cost
-# Drafting is priced once this many steps drafted: the first ones carry one-off work (a root fed after a
-# prefill, first calls), and a price taken from them alone would stop drafting before it is measured.
+# Drafting is priced once this many steps drafted: the first ones carry one-off work (first calls, a
+# catch-up where the draft's forwards were not timed), and a price taken from them alone would stop
+# drafting before it is measured.
 DRAFT_WARMUP = 8
 # Slopes are kept at or above this share of the prior's: steps differ in more than their rows, and a
 # rate that found rows free would draft without bound.
