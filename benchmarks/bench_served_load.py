@@ -12,8 +12,9 @@ max(--requests, concurrency) chat prompts (MT-Bench first turns and GSM8K questi
 every level and round: no server gets a prompt it has cached), sent by `concurrency` clients at once,
 streamed, greedy, --max-tokens new tokens at most. Reported per level and server: aggregate output
 tokens/s (all completion tokens over the wall time from the first request sent to the last answer,
-prefill included; median over rounds) and its ratio to spec plain, time to first token and latency
-p50/p99 over the level's requests, and how many greedy outputs equal spec plain's.
+prefill included; median over rounds) and its ratio to spec plain (the median of the ratios paired
+round by round, with their range), time to first token and latency p50/p99 over the level's
+requests, and how many greedy outputs equal spec plain's.
 
 Configurations: `plain` (spec serve's defaults), `NGRAM`, `STANDALONE` (with --draft), `EAGLE3=DIR`
 (a head), each with --speculative-adaptive on (the default; `NAME:off` turns it off), and
@@ -229,17 +230,21 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
                      "lat_p50": pct([x["latency"] for x in results], 0.5),
                      "lat_p99": pct([x["latency"] for x in results], 0.99),
                      "same_as_plain": same, "requests": len(results)}
-    for v in out.values():
-        v["vs_plain"] = v["tok_s"] / out["plain"]["tok_s"]
+    for name, v in out.items():
+        # Paired round by round (same prompts, taken minutes apart at most): the machine's drift between
+        # rounds cancels, which a ratio of medians would keep.
+        ratios = sorted(run["tok_s"] / ref["tok_s"] for run, ref in zip(runs[name], plain))
+        v.update(vs_plain=statistics.median(ratios), vs_plain_min=ratios[0], vs_plain_max=ratios[-1])
     return out
 
 
 def print_level(c: int, n: int, rows: dict) -> None:
     print(f"\n## concurrency {c} ({n} requests a round)\n")
-    print("| server | tok/s | vs plain | TTFT p50 / p99 s | latency p50 / p99 s | greedy = plain |")
+    print("| server | tok/s | vs plain (rounds' range) | TTFT p50 / p99 s | latency p50 / p99 s | greedy = plain |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, v in rows.items():
-        print(f"| {name} | {v['tok_s']:.1f} | {v['vs_plain']:.2f}x | {v['ttft_p50']:.2f} / {v['ttft_p99']:.2f} | "
+        print(f"| {name} | {v['tok_s']:.1f} | {v['vs_plain']:.2f}x ({v['vs_plain_min']:.2f}-{v['vs_plain_max']:.2f}) | "
+              f"{v['ttft_p50']:.2f} / {v['ttft_p99']:.2f} | "
               f"{v['lat_p50']:.1f} / {v['lat_p99']:.1f} | {v['same_as_plain']} of {v['requests']} |")
     print(flush=True)
 
