@@ -169,7 +169,12 @@ def measure_step_cost(args: ServerArgs, cost: StepCost, runner: ModelRunner, dra
         return
     target = forward_times(runner, kv)
     draft = forward_times(drafter.runner, kv) if drafter is not None and drafter.catches_up else None
-    cost.measured(target, draft)
+    if draft:
+        # A drafted step runs `steps` draft forwards of about topk rows a request: the search's
+        # depths after the root's, and the feed of what the target accepted.
+        cost.measured(target, draft, drafter.steps, drafter.topk)
+    else:
+        cost.measured(target)
     if target:
         log.info("forward times by rows (for draft sizes): %s%s", _millis(target),
                  f"; draft model {_millis(draft)}" if draft else "")

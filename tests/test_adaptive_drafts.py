@@ -14,8 +14,8 @@ import engine.scheduler as scheduler_module
 from engine import cost_probe
 from engine import Engine
 from engine.speculative import standalone
-from engine.speculative.cost import Curve, StepCost
-from engine.speculative.sizing import Acceptance, draft_sizes, expected_accepted
+from engine.speculative.cost import DRAFT_WARMUP, Curve, StepCost
+from engine.speculative.sizing import START_ALPHA, Acceptance, draft_sizes, expected_accepted
 from tests.drafts import ALGOS, draft_setup
 from tests.test_speculative_lossless import GREEDY, prompts
 from tests.test_standalone import confident_dir, generate, target_dir  # noqa: F401  (fixtures)
@@ -78,6 +78,26 @@ def test_sizes_from_timed_forwards_match_sizes_from_observed_steps():
     for alphas in ([0.7], [0.8, 0.4], [0.75] * 4, [0.6] * 8, [0.9, 0.5, 0.2] * 4):
         assert draft_sizes(alphas, 5, timed) == draft_sizes(alphas, 5, observed), alphas
     assert draft_sizes([0.8], 5, timed) == [5] and draft_sizes([0.6] * 8, 5, timed) == [0] * 8
+
+
+def test_a_draft_model_s_timed_forwards_price_drafting_until_drafted_steps_are_observed():
+    """A fresh STANDALONE server under load: drafting priced at nothing until observed made four requests
+    draft (and pay for it) before learning that it does not pay; priced by the draft model's start-up
+    timings, they stay off while a request alone still drafts."""
+    target = {1: 0.040, 2: 0.041, 4: 0.047, 8: 0.060, 16: 0.095, 32: 0.170}
+    draft = {1: 0.013, 2: 0.013, 4: 0.014, 8: 0.016, 16: 0.024, 32: 0.040}
+    cost, unpriced = StepCost(0.1), StepCost(0.1)
+    cost.measured(target, draft, draft_forwards=2, draft_rows=2)
+    unpriced.measured(target, draft)
+    assert cost.seconds(4, 4) - cost.seconds(4) == pytest.approx(2 * 0.016)       # 2 forwards of 8 rows
+    assert cost.seconds(1, 1) - cost.seconds(1) == pytest.approx(2 * 0.013)
+    assert draft_sizes([START_ALPHA], 2, cost) == [2]
+    assert draft_sizes([START_ALPHA] * 4, 2, cost) == [0] * 4
+    assert draft_sizes([START_ALPHA] * 4, 2, unpriced) == [2] * 4
+    # Drafted steps observed take over once there are enough to price from.
+    for _ in range(DRAFT_WARMUP):
+        cost.observe(4, 0.047 + 0.004, 4, 0.004)
+    assert cost.seconds(4, 4) - cost.seconds(4) == pytest.approx(0.004)
 
 
 def test_a_catch_up_keeps_a_request_off_until_it_pays():

@@ -11,7 +11,9 @@ contexts grow), and a step of R rows is priced by linear interpolation between t
 outside them, by the prior's curve scaled through the nearest one seen (a step carries host work that a
 bare forward does not). Without a measured curve (tensor parallelism, tests) the prior is a line, b / a
 being the share of a one-row step each further row adds, and past the largest count seen the slope
-between the two largest continues, never less than half the line's."""
+between the two largest continues, never less than half the line's. Drafting is priced per request
+from the drafted steps observed; before there are enough, a draft model's is priced by its own forwards
+timed at start-up, so that a fresh server under load does not pay for drafts to learn they do not pay."""
 
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ from bisect import bisect_left, insort
 from typing import Mapping, Optional
 
 DECAY = 0.9                       # weight of the previous time of a row count, and of a drafted request's cost
-# Drafting is priced once this many steps drafted: the first ones carry one-off work (first calls, a
-# catch-up where the draft's forwards were not timed), and a price taken from them alone would stop
-# drafting before it is measured.
+# Drafting is priced by the steps observed once this many drafted: the first ones carry one-off work
+# (first calls, a catch-up where the draft's forwards were not timed), and a price taken from them alone
+# would stop drafting before it is measured. Until then it is priced by the draft model's start-up
+# timings where there are some, else not at all.
 DRAFT_WARMUP = 8
 # Slopes are kept at or above this share of the prior's: steps differ in more than their rows, and a
 # rate that found rows free would draft without bound.
@@ -37,12 +40,16 @@ class StepCost:
         self._drafted_steps = 0
         self._curve: Optional[Curve] = None          # the target's forward times measured at start-up
         self._draft_curve: Optional[Curve] = None    # the draft model's, where it catches up
+        self._draft_forwards, self._draft_rows = 0, 1
 
-    def measured(self, target: Mapping[int, float], draft: Optional[Mapping[int, float]] = None) -> None:
+    def measured(self, target: Mapping[int, float], draft: Optional[Mapping[int, float]] = None,
+                 draft_forwards: int = 0, draft_rows: int = 1) -> None:
         """Forward times by row count measured at start-up (cost_probe.py): the target's, and the draft
-        model's where a draft that fell behind feeds what it skipped."""
+        model's where a draft that fell behind feeds what it skipped. Drafting for n requests runs
+        `draft_forwards` draft forwards of n * draft_rows rows: its price until steps are observed."""
         self._curve = Curve(target) if target else None
         self._draft_curve = Curve(draft) if draft else None
+        self._draft_forwards, self._draft_rows = draft_forwards, draft_rows
 
     def observe(self, rows: int, seconds: float, drafted: int = 0, draft_seconds: float = 0.0,
                 caught_up: int = 0) -> None:
@@ -62,8 +69,7 @@ class StepCost:
     def seconds(self, rows: int, drafted: int = 0) -> float:
         """A step's time with `rows` target rows and `drafted` requests drafted for (in units of a
         one-row step where no forward was timed or observed)."""
-        priced = self._draft if self._drafted_steps >= DRAFT_WARMUP else 0.0
-        return self._target(rows) + priced * drafted
+        return self._target(rows) + self._drafting(drafted)
 
     def catch_up(self, tokens: int) -> float:
         """Seconds a draft model that skipped `tokens` committed tokens adds to the step it drafts again in
@@ -71,6 +77,15 @@ class StepCost:
         if not tokens or self._draft_curve is None:
             return 0.0
         return self._draft_curve(1 + tokens) - self._draft_curve(1)
+
+    def _drafting(self, drafted: int) -> float:
+        if not drafted:
+            return 0.0
+        if self._drafted_steps >= DRAFT_WARMUP:
+            return self._draft * drafted
+        if self._draft_curve is None:
+            return 0.0
+        return self._draft_forwards * self._draft_curve(drafted * self._draft_rows)
 
     def relative(self, rows: int, more: int) -> float:
         """Time of a step of rows + more rows over that of `rows` rows (drafting aside)."""

@@ -73,7 +73,7 @@ def draft_sizes(alphas: Sequence[float], limit: int, cost: StepCost, forced: Seq
     if limit <= 0 or not B:
         return [0] * B
     row = (cost.seconds(2 * B) - cost.seconds(B)) / B            # what one more row adds, at this batch
-    drafting = cost.seconds(0, 1) - cost.seconds(0)              # what drafting for one request adds
+    drafting = (cost.seconds(0, B) - cost.seconds(0)) / B        # what drafting for a request adds, at this batch
 
     def ratio(sizes: list[int]) -> float:
         tokens = sum(1 + expected_accepted(a, k) for a, k in zip(alphas, sizes))
