@@ -30,7 +30,7 @@ from engine.memory.kv_manager import KVManager
 from engine.request import FinishReason, Request, Status
 from engine.speculative.cost import StepCost
 from engine.speculative.prediction import ANCHOR_MAX, chain_length
-from engine.speculative.sizing import Acceptance, draft_sizes
+from engine.speculative.sizing import Acceptance, draft_sizes, worth_exploring
 from engine.speculative.stats import SpecStats
 from engine.step import DecodeStep, PrefillStep, StepResult
 from engine.worker import Worker
@@ -333,18 +333,19 @@ class Scheduler:
         for r in reqs:
             if r.acceptance is None:
                 r.acceptance = Acceptance(self.acceptance.value)
-        # An estimate that keeps a request off would never change: try it again now and then, where a
-        # skipped step costs the drafter nothing later; less often in a larger batch, so that about one
-        # request in four steps explores.
-        every = EXPLORE_EVERY * max(1, len(reqs) // 4)
-        explore = [not drafter.catches_up and r.undrafted_steps >= every for r in reqs]
         # A draft model that skipped a request's tokens feeds them when it drafts again: that pays off over
         # the steps it goes on drafting (about two tokens each), counted as at most CATCH_UP_STEPS: the
         # load may change before.
         catch_up = [self.cost.catch_up(lag) / max(1, min(r.remaining_tokens() // 2, CATCH_UP_STEPS))
                     for r, lag in zip(reqs, lags)]
-        sizes = draft_sizes([r.acceptance.value for r in reqs], self.worker.num_draft_tokens - 1, self.cost, explore,
-                            catch_up)
+        alphas, limit = [r.acceptance.value for r in reqs], self.worker.num_draft_tokens - 1
+        # An estimate that keeps a request off would never change: try it again now and then, where a
+        # skipped step costs the drafter nothing later; less often in a larger batch, so that about one
+        # request in four steps explores; not at all where drafting well would not pay either.
+        every = EXPLORE_EVERY * max(1, len(reqs) // 4)
+        due = [not drafter.catches_up and r.undrafted_steps >= every for r in reqs]
+        explore = worth_exploring(alphas, due, limit, self.cost, catch_up)
+        sizes = draft_sizes(alphas, limit, self.cost, explore, catch_up)
         for r, k in zip(reqs, sizes):
             r.undrafted_steps = 0 if k else r.undrafted_steps + 1
         return sizes

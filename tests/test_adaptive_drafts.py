@@ -15,7 +15,7 @@ from engine import cost_probe
 from engine import Engine
 from engine.speculative import standalone
 from engine.speculative.cost import DRAFT_WARMUP, Curve, StepCost
-from engine.speculative.sizing import START_ALPHA, Acceptance, draft_sizes, expected_accepted
+from engine.speculative.sizing import START_ALPHA, Acceptance, draft_sizes, expected_accepted, worth_exploring
 from tests.drafts import ALGOS, draft_setup
 from tests.test_speculative_lossless import GREEDY, prompts
 from tests.test_standalone import confident_dir, generate, target_dir  # noqa: F401  (fixtures)
@@ -163,6 +163,15 @@ def test_requests_that_draft_worst_turn_off_first():
 
 def test_exploring_requests_draft_one_token_at_least():
     assert draft_sizes([0.01, 0.01], 5, fitted(0.5), forced=[True, False]) == [1, 0]
+
+
+def test_requests_explore_only_where_drafting_well_would_pay():
+    """Sixteen requests, half of them due to try drafting again: where rows are cheap they do; where a
+    row costs more than even a draft accepted 9 times in 10 brings (a compute-bound batch), none does."""
+    due = [True, False] * 8
+    assert worth_exploring([0.01] * 16, due, 5, fitted(0.05)) == due
+    assert worth_exploring([0.01] * 16, due, 5, fitted(1.2)) == [False] * 16
+    assert worth_exploring([0.01] * 16, [False] * 16, 5, fitted(0.05)) == [False] * 16
 
 
 # ------------------------------------------------------------------ in the engine

@@ -32,6 +32,8 @@ from engine.speculative.cost import StepCost
 PRIOR_WEIGHT, DECAY = 2.0, 0.9
 # The running average across requests starts here: speculation is tried before anything is known.
 START_ALPHA = 0.6
+# A request drafting well: trying one left off tells something only where such drafts would pay.
+EXPLORE_ALPHA = 0.9
 
 
 class Acceptance:
@@ -103,3 +105,15 @@ def draft_sizes(alphas: Sequence[float], limit: int, cost: StepCost, forced: Seq
             break
         sizes, lam = chosen, new
     return sizes
+
+
+def worth_exploring(alphas: Sequence[float], due: Sequence[bool], limit: int, cost: StepCost,
+                    extra: Sequence[float] = ()) -> list[bool]:
+    """Of the requests due to try drafting again (due[b]), those that would draft this step if their
+    drafts were accepted as well as EXPLORE_ALPHA: where even such drafts cannot pay for their rows at
+    this batch, a try costs rows and could change nothing."""
+    if not any(due):
+        return list(due)
+    hopeful = draft_sizes([max(a, EXPLORE_ALPHA) if d else a for a, d in zip(alphas, due)], limit, cost,
+                          extra=extra)
+    return [d and k > 0 for d, k in zip(due, hopeful)]
