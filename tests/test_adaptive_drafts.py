@@ -143,6 +143,22 @@ def test_acceptance_follows_the_verifications():
     assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
 
 
+def test_acceptance_of_sibling_drafts_expects_what_they_give():
+    """Two children of the root (STANDALONE's tree on a CPU), one of them accepted 9 times in 10: the
+    estimate expects 0.9 tokens from two drafts, as they give. Counted as a chain stopped early at every
+    verification it expected 0.69, and a lone request stopped drafting where drafting paid 1.2x."""
+    rng, est, expected = random.Random(1), Acceptance(), []
+    for _ in range(400):
+        est.record(2, int(rng.random() < 0.9))
+        expected.append(expected_accepted(est.value, 2))
+    assert sum(expected[100:]) / 300 == pytest.approx(0.9, abs=0.04)     # a decayed estimate: on average
+    # A lone request on a CPU-like curve: a draft token's row costs 10% of a step, drafting 35%.
+    target = {1: 0.035, 2: 0.0385, 4: 0.045, 8: 0.057}
+    cost = StepCost(0.1)
+    cost.measured(target, {1: 0.0123, 2: 0.0123, 4: 0.0139}, draft_forwards=1, draft_rows=2)
+    assert draft_sizes([est.value], 2, cost) == [2]
+
+
 def test_one_request_keeps_the_whole_tree_where_rows_are_cheap():
     assert draft_sizes([0.7], 5, fitted(0.005)) == [5]
     assert draft_sizes([0.02], 5, fitted(0.005, draft=0.005)) == [0]       # drafting costs more than it gains

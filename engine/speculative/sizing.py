@@ -1,14 +1,17 @@
 """Per-step draft sizes (--speculative-adaptive): how many draft tokens each running request gets this
 step, 0 being a plain step for it, chosen to maximise the batch's expected tokens per second.
 
-A request's drafts are summed up by one number, alpha: the chance that a draft token is accepted once
-those before it were, estimated from its own verifications (decayed, so it follows the text) and
-starting from the algorithm's running average. k draft tokens are then expected to add
-alpha + alpha^2 + ... + alpha^k accepted tokens to the one every step yields; a tree of k nodes does at
-least as well as a chain of k, so the estimate errs towards drafting less. The cost of a step is the
-machine's (cost.py): the target's forward grows with the rows every request's draft adds, drafting
-costs its time per request drafted for, and a draft model that skipped a request's recent tokens feeds
-them first (priced over the steps that catch-up serves).
+A request's drafts are summed up by one number, alpha: k draft tokens are expected to add
+alpha + alpha^2 + ... + alpha^k accepted tokens to the one every step yields, as a chain whose tokens
+are each accepted with chance alpha once those before it were. alpha is fitted to the request's own
+verifications (decayed, so it follows the text), starting from the algorithm's running average: the
+alpha under which drafts of their mean size are accepted as often as they were. For a chain that is
+the chance per token; for a tree, whose siblings are alternatives (a tree of two children of the root
+accepts one token at most), it is what makes the expectation right at the sizes in use.
+
+The cost of a step is the machine's (cost.py): the target's forward grows with the rows every
+request's draft adds, drafting costs its time per request drafted for, and a draft model that skipped
+a request's recent tokens feeds them first (priced over the steps that catch-up serves).
 
 Tokens per second, sum_b (1 + E_b(k_b)) / T(k), is maximised by Dinkelbach's iteration: for the current
 ratio lam, each request alone takes the k maximising 1 + E_b(k) - lam * (its rows and drafting time),
@@ -23,7 +26,7 @@ whatever they are (speculative/verify.py).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 from engine.speculative.cost import StepCost
 
@@ -34,25 +37,48 @@ PRIOR_WEIGHT, DECAY = 2.0, 0.9
 START_ALPHA = 0.6
 # A request drafting well: trying one left off tells something only where such drafts would pay.
 EXPLORE_ALPHA = 0.9
+FIT_ROUNDS = 20                     # bisection rounds fitting alpha: within 1e-6
 
 
 class Acceptance:
-    """A decayed estimate of alpha: each accepted draft token a success, each verification that
-    stopped before the end of its draft a failure (the maximum-likelihood estimate for a geometric
-    run cut at the draft's length)."""
+    """A decayed estimate of alpha: the alpha for which expected_accepted at the drafts' mean size
+    equals their mean accepted count. Fitting the mean rather than counting each stop as a miss keeps
+    trees right: two sibling drafts of which one is accepted 9 times in 10 count as a chain of two
+    with alpha 0.58, not as a chain stopped early every time (alpha under 0.5)."""
 
     def __init__(self, alpha: float = START_ALPHA, weight: float = PRIOR_WEIGHT, decay: float = DECAY):
-        self._hits, self._misses, self._decay = alpha * weight, (1 - alpha) * weight, decay
+        # The prior: `weight` verifications of one draft token, accepted `alpha` of the time.
+        self._weight, self._proposed, self._accepted, self._decay = weight, weight, alpha * weight, decay
+        self._value: Optional[float] = alpha
 
     def record(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
             return
-        self._hits = self._hits * self._decay + accepted
-        self._misses = self._misses * self._decay + (accepted < proposed)
+        d = self._decay
+        self._weight, self._proposed = self._weight * d + 1, self._proposed * d + proposed
+        self._accepted = self._accepted * d + accepted
+        self._value = None
 
     @property
     def value(self) -> float:
-        return self._hits / (self._hits + self._misses)
+        if self._value is None:
+            self._value = _fit(self._proposed / self._weight, self._accepted / self._weight)
+        return self._value
+
+
+def _fit(size: float, accepted: float) -> float:
+    """The alpha in [0, 1] with expected_accepted(alpha, size) = accepted (size may be fractional: the
+    expectation grows linearly between whole sizes), by bisection."""
+    whole, part = int(size), size - int(size)
+
+    def expected(alpha: float) -> float:
+        return expected_accepted(alpha, whole) + part * alpha ** (whole + 1)
+
+    lo, hi = 0.0, 1.0
+    for _ in range(FIT_ROUNDS):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected(mid) < accepted else (lo, mid)
+    return (lo + hi) / 2
 
 
 def expected_accepted(alpha: float, k: int) -> float:
