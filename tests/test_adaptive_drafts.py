@@ -146,7 +146,7 @@ def test_acceptance_follows_the_verifications():
 def test_acceptance_of_sibling_drafts_expects_what_they_give():
     """Two children of the root (STANDALONE's tree on a CPU), one of them accepted 9 times in 10: the
     estimate expects 0.9 tokens from two drafts, as they give. Counted as a chain stopped early at every
-    verification it expected 0.69, and a lone request stopped drafting where drafting paid 1.2x."""
+    verification it expected 0.70, and a lone request stopped drafting where drafting paid 1.2x."""
     rng, est, expected = random.Random(1), Acceptance(), []
     for _ in range(400):
         est.record(2, int(rng.random() < 0.9))

@@ -44,7 +44,7 @@ class Acceptance:
     """A decayed estimate of alpha: the alpha for which expected_accepted at the drafts' mean size
     equals their mean accepted count. Fitting the mean rather than counting each stop as a miss keeps
     trees right: two sibling drafts of which one is accepted 9 times in 10 count as a chain of two
-    with alpha 0.58, not as a chain stopped early every time (alpha under 0.5)."""
+    with alpha 0.57, not as a chain stopped early every time (alpha under 0.5)."""
 
     def __init__(self, alpha: float = START_ALPHA, weight: float = PRIOR_WEIGHT, decay: float = DECAY):
         # The prior: `weight` verifications of one draft token, accepted `alpha` of the time.
