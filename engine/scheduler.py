@@ -86,8 +86,10 @@ class Scheduler:
         self.kv.flush()
         self.worker, self.args = worker, args
         self.spec_stats = SpecStats(args.speculative_num_steps) if worker.drafter else None
-        # Acceptance across requests: where a new request's estimate starts (--speculative-adaptive).
+        # Acceptance across requests: where a new request's estimate starts (--speculative-adaptive);
+        # and per evidence a drafter gives (Drafter.evidence), that of the drafts resting on it.
         self.acceptance = Acceptance(decay=ACROSS_DECAY)
+        self.by_evidence: dict[int, Acceptance] = {}
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, req: Request) -> None:
@@ -314,41 +316,56 @@ class Scheduler:
     def _decode_step(self, reqs: list[Request]) -> DecodeStep:
         drafter = self.worker.drafter
         lags = [drafter.lag(r) for r in reqs] if drafter else [0] * len(reqs)
-        drafts = self._drafts(reqs, lags)
+        drafts, evidence = self._drafts(reqs, lags)
         chains = self._chains(reqs, drafts)
         per_req = self.worker.slots_per_request + max(map(len, chains or [[]]))
         if chains and self.kv.available() < per_req * len(reqs):
             chains, per_req = None, self.worker.slots_per_request       # no room: verify the chains later
         catch_up = sum(lag for lag, on in zip(lags, self._drafting(reqs, drafts)) if on)
         return DecodeStep(reqs, self.kv.alloc(per_req * len(reqs)).view(len(reqs), per_req), chains, drafts,
-                          catch_up)
+                          catch_up, evidence)
 
-    def _drafts(self, reqs: list[Request], lags: list[int]) -> Optional[list[int]]:
+    def _drafts(self, reqs: list[Request], lags: list[int]) -> tuple[Optional[list[int]], Optional[list]]:
         """Each request's draft tokens for this step (--speculative-adaptive), as many as pay by the step
-        cost model and its recent acceptance (engine/speculative/sizing.py); None: the whole tree.
+        cost model and the acceptance expected of them (engine/speculative/sizing.py), and what each
+        draft rests on (Drafter.evidence); (None, None): the whole tree, sized by nothing.
         lags[b]: tokens of request b the drafter skipped (Drafter.lag)."""
         drafter = self.worker.drafter
         if drafter is None or self.args.speculative_adaptive == "off":
-            return None
-        for r in reqs:
-            if r.acceptance is None:
-                r.acceptance = Acceptance(self.acceptance.value)
+            return None, None
+        evidence = [drafter.evidence(r) for r in reqs]
+        estimates = [self._estimate(r, key) for r, key in zip(reqs, evidence)]
         # A draft model that skipped a request's tokens feeds them when it drafts again: that pays off over
         # the steps it goes on drafting (about two tokens each), counted as at most CATCH_UP_STEPS: the
         # load may change before.
         catch_up = [self.cost.catch_up(lag) / max(1, min(r.remaining_tokens() // 2, CATCH_UP_STEPS))
                     for r, lag in zip(reqs, lags)]
-        alphas, limit = [r.acceptance.value for r in reqs], self.worker.num_draft_tokens - 1
+        alphas, limit = [e.value if e else 0.0 for e in estimates], self.worker.num_draft_tokens - 1
         # An estimate that keeps a request off would never change: try it again now and then, where a
         # skipped step costs the drafter nothing later; less often in a larger batch, so that about one
         # request in four steps explores; not at all where drafting well would not pay either.
         every = EXPLORE_EVERY * max(1, len(reqs) // 4)
-        due = [not drafter.catches_up and r.undrafted_steps >= every for r in reqs]
+        due = [e is not None and not drafter.catches_up and r.undrafted_steps >= every
+               for r, e in zip(reqs, estimates)]
         explore = worth_exploring(alphas, due, limit, self.cost, catch_up)
         sizes = draft_sizes(alphas, limit, self.cost, explore, catch_up)
         for r, k in zip(reqs, sizes):
             r.undrafted_steps = 0 if k else r.undrafted_steps + 1
-        return sizes
+        return sizes, evidence
+
+    def _estimate(self, req: Request, key: Optional[int]) -> Optional[Acceptance]:
+        """The acceptance estimate that sizes a request's draft this step: that of drafts resting on the
+        same evidence (Drafter.evidence), else the request's own; either starts from the average across
+        requests. None: there is nothing to draft."""
+        if key == 0:
+            return None
+        if key is None:
+            if req.acceptance is None:
+                req.acceptance = Acceptance(self.acceptance.value)
+            return req.acceptance
+        if key not in self.by_evidence:
+            self.by_evidence[key] = Acceptance(self.acceptance.value, decay=ACROSS_DECAY)
+        return self.by_evidence[key]
 
     def _chains(self, reqs: list[Request], drafts: Optional[list[int]]) -> Optional[list[list[int]]]:
         """Each request's Predicted Output chain for this step, as long as pays by the step cost model
@@ -435,8 +452,9 @@ class Scheduler:
                 req.spec_verify_ct += 1
                 req.spec_accepted_tokens += result.drafts[i]
                 self.spec_stats.record(result.drafts[i])
-                if req.acceptance is not None:
-                    req.acceptance.record(result.proposed[i], result.drafts[i])
+                estimate = self._estimate(req, step.evidence[i]) if step.evidence is not None else None
+                if estimate is not None:
+                    estimate.record(result.proposed[i], result.drafts[i])
                     self.acceptance.record(result.proposed[i], result.drafts[i])
             self._keep_captured(req, result, i)
             if result.predicted is not None and step.chains[i]:

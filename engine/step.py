@@ -33,12 +33,14 @@ class DecodeStep:
     one per tree node (the root's first; the drafter's nodes, then its prediction chain's), then the
     drafter's scratch. drafts[b]: the most draft tokens request b's tree may hold this step (0: none, and
     no drafting for it); None: the whole tree. chains[b]: Predicted Output tokens to verify after request
-    b's newest token. catch_up: tokens a draft model that fell behind feeds first (drafter.lag)."""
+    b's newest token. catch_up: tokens a draft model that fell behind feeds first (drafter.lag).
+    evidence[b]: what request b's draft size was chosen by (Drafter.evidence); None when not chosen."""
     reqs: list[Request]
     slots: torch.Tensor          # [B, slots per request]
     chains: Optional[list[list[int]]] = None
     drafts: Optional[list[int]] = None
     catch_up: int = 0
+    evidence: Optional[list[Optional[int]]] = None
 
     @property
     def chain_slots(self) -> int:

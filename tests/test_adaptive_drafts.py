@@ -197,6 +197,7 @@ class RecordDrafts:
 
     def __init__(self, eng: Engine):
         self.steps = []
+        self.sized = []             # sized steps: (evidence, draft sizes, drafts proposed) per request
         worker = eng._scheduler.worker
         forward = worker.forward
 
@@ -206,6 +207,7 @@ class RecordDrafts:
                 self.steps.append((len(step.reqs), step.drafts))
                 if step.drafts is not None:
                     assert all(p <= k for p, k in zip(result.proposed, step.drafts)), (result.proposed, step.drafts)
+                    self.sized.append((step.evidence, step.drafts, result.proposed))
             return result
 
         worker.forward = recording
@@ -244,6 +246,49 @@ def test_speculation_turns_off_as_the_batch_grows_and_on_again(confident_dir, mo
     assert {on for n, on in steps if n >= 3} == {0}
     order = [n for n, _ in steps]
     assert order[0] == 1 and 11 in order and order[-1] == 1     # alone, then eleven, then alone again
+
+
+def test_drafts_are_sized_by_the_evidence_they_rest_on(target, monkeypatch):
+    """NGRAM sizes a draft by the acceptance of drafts from matches as long as its match: where rows
+    cost 0.4 of a step, requests matching long contexts (drafts accepted 9 in 10) draft and the others
+    (1 in 10) do not, in the same steps; nothing is drafted where nothing matches."""
+    eng = Engine(model_path=str(target), dtype="float32", max_total_tokens=8192, speculative_algorithm="NGRAM")
+    sch = eng._scheduler
+    sch.cost = fitted(0.4)
+    sch.cost.observe = lambda *args: None
+    sch.by_evidence.update({5: Fixed(0.9), 1: Fixed(0.1)})
+    keys = {}                                       # the evidence of each request, the same every step
+    monkeypatch.setattr(type(sch.worker.drafter), "evidence",
+                        lambda self, req: keys.setdefault(req.rid, (5, 1, 0)[len(keys) % 3]))
+    seen = RecordDrafts(eng)
+    eng.generate(input_ids=prompts(), sampling_params=GREEDY)
+    full = [(evidence, drafts) for evidence, drafts, _ in seen.sized if len(drafts) == 5]
+    assert full and all(sorted(evidence) == [0, 1, 1, 5, 5] for evidence, _ in full)
+    drafted = {key: sum(k for evidence, drafts in full for e, k in zip(evidence, drafts) if e == key)
+               for key in (0, 1, 5)}
+    assert drafted[5] >= len(full) and drafted[1] == drafted[0] == 0
+
+
+def test_each_verification_counts_toward_the_estimate_of_its_evidence(target, monkeypatch):
+    """Each verified draft is recorded once, in the estimate of the evidence it was sized by."""
+    recorded = {}
+
+    class Counting(Acceptance):
+        def record(self, proposed: int, accepted: int) -> None:
+            recorded[id(self)] = recorded.get(id(self), 0) + proposed
+            super().record(proposed, accepted)
+
+    monkeypatch.setattr(scheduler_module, "Acceptance", Counting)
+    eng = Engine(model_path=str(target), dtype="float32", max_total_tokens=8192, speculative_algorithm="NGRAM")
+    seen = RecordDrafts(eng)
+    eng.generate(input_ids=prompts(), sampling_params=GREEDY)
+    proposed = {}
+    for evidence, _, drafted in seen.sized:
+        for key, n in zip(evidence, drafted):
+            proposed[key] = proposed.get(key, 0) + n
+    assert proposed.get(0, 0) == 0 and sum(proposed.values()) > 0
+    estimates = eng._scheduler.by_evidence
+    assert {key: recorded.get(id(e), 0) for key, e in estimates.items()} == {k: n for k, n in proposed.items() if k}
 
 
 @pytest.fixture

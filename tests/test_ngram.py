@@ -187,6 +187,21 @@ def test_worker_learns_incrementally_and_shares_across_requests():
     assert a.row not in w.learned and w.cache.match([31])[1] == {32: 1}
 
 
+def test_evidence_is_the_length_of_the_longest_match_learned_first():
+    """The scheduler sizes a request's draft by how long a context of its text was seen before: the
+    request's own newest tokens are learned first, so a phrase repeating within it counts."""
+    w = worker(steps=3, topk=1, draft_tokens=4)
+    a = request([20, 21, 22, 23, 24, 25, 20, 21, 22])
+    a.row = 0
+    assert w.evidence(a) == 3                              # "20 21 22" was followed by 23 before
+    assert w.learned[a.row] == 9
+    b = request([7, 8, 9])
+    b.row = 1
+    assert w.evidence(b) == 0                              # no context of it seen followed by anything
+    b.token_ids.append(22)
+    assert w.evidence(b) == 1
+
+
 # ------------------------------------------------------------------ end to end
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():

@@ -4,7 +4,7 @@ the step) and never changes a request."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from engine.model_runner import ForwardOutput
 from engine.request import Request
@@ -31,6 +31,12 @@ class Drafter:
     def budgets(self, step: DecodeStep) -> list[int]:
         """Per request, the most draft tokens its tree may hold this step (step.drafts, else the tree's)."""
         return step.drafts if step.drafts is not None else [self.num_draft_tokens - 1] * len(step.reqs)
+
+    def evidence(self, req: Request) -> Optional[int]:
+        """What this step's draft for the request rests on, where the drafter knows it before drafting: a
+        key under which drafts are accepted alike (the scheduler keeps an acceptance estimate per key);
+        0: there is nothing to draft; None: no such key (the request's own estimate serves)."""
+        return None
 
     def lag(self, req: Request) -> int:
         """Committed tokens of the request this drafter skipped, which drafting for it next feeds first."""

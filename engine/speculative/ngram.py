@@ -113,6 +113,12 @@ class NgramDrafter(Drafter):
         width = int((self.max_window - match_len - depth) * step + self.min_breadth)
         return min(self.topk, max(1, width))
 
+    def evidence(self, req: Request) -> int:
+        """The length of the longest context of the request's text seen before (0: none): drafts from a
+        longer match are accepted far more often, and the scheduler sizes them by it."""
+        self._learn(req)
+        return self.cache.match(req.token_ids[max(0, req.seq_len - self.max_window):])[0]
+
     def draft(self, step: DecodeStep) -> TreeBatch:
         for req in step.reqs:                     # all first: one request's text may draft another's
             self._learn(req)

@@ -3,11 +3,14 @@ step, 0 being a plain step for it, chosen to maximise the batch's expected token
 
 A request's drafts are summed up by one number, alpha: k draft tokens are expected to add
 alpha + alpha^2 + ... + alpha^k accepted tokens to the one every step yields, as a chain whose tokens
-are each accepted with chance alpha once those before it were. alpha is fitted to the request's own
-verifications (decayed, so it follows the text), starting from the algorithm's running average: the
-alpha under which drafts of their mean size are accepted as often as they were. For a chain that is
-the chance per token; for a tree, whose siblings are alternatives (a tree of two children of the root
-accepts one token at most), it is what makes the expectation right at the sizes in use.
+are each accepted with chance alpha once those before it were. alpha is fitted to past verifications
+(decayed, so it follows the text), starting from the algorithm's running average: the alpha under
+which drafts of their mean size are accepted as often as they were. For a chain that is the chance per
+token; for a tree, whose siblings are alternatives (a tree of two children of the root accepts one
+token at most), it is what makes the expectation right at the sizes in use. The verifications are the
+request's own, or, where the drafter says before drafting what a draft rests on (Drafter.evidence:
+NGRAM's match length), those of all drafts resting on the same: a copy from a long match is accepted
+far more often than one from a single token, whichever request it is for.
 
 The cost of a step is the machine's (cost.py): the target's forward grows with the rows every
 request's draft adds, drafting costs its time per request drafted for, and a draft model that skipped
