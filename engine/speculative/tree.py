@@ -78,6 +78,8 @@ class TreeBatch:
     @classmethod
     def from_trees(cls, trees: Sequence[DraftTree], device) -> "TreeBatch":
         n = max(len(t) for t in trees)
+        if n == 1:                          # nothing drafted: a plain step's trees, without the host loop
+            return cls.roots(to_device([t.tokens[0] for t in trees], device, torch.long))
         tokens = torch.zeros((len(trees), n), dtype=torch.long)
         parents = torch.full((len(trees), n), -1, dtype=torch.long)
         for b, t in enumerate(trees):
