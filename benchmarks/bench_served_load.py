@@ -14,7 +14,10 @@ streamed, greedy, --max-tokens new tokens at most. Reported per level and server
 tokens/s (all completion tokens over the wall time from the first request sent to the last answer,
 prefill included; median over rounds) and its ratio to spec plain (the median of the ratios paired
 round by round, with their range), time to first token and latency p50/p99 over the level's
-requests, and how many greedy outputs equal spec plain's.
+requests, how many greedy outputs equal spec plain's, and for spec servers the work a token cost: the
+rows their decode forwards ran (spec_decode_rows_total) over the tokens generated. Plain decoding runs
+one row a token (a little under: the first comes from the prompt's forward); speculation more where
+drafts are rejected, fewer where they are accepted; the same where it drafts nothing.
 
 Configurations: `plain` (spec serve's defaults), `NGRAM`, `STANDALONE` (with --draft), `EAGLE3=DIR`
 (a head), each with --speculative-adaptive on (the default; `NAME:off` turns it off), and
@@ -153,6 +156,17 @@ async def level(server: Server, prompts: list[str], concurrency: int, max_tokens
     return {"wall": wall, "tok_s": sum(r["tokens"] for r in results) / wall, "results": results}
 
 
+def decode_rows(server: Server) -> Optional[float]:
+    """The rows spec serve's decode forwards have run so far (spec_decode_rows_total); None for
+    llama-server."""
+    if server.name == "llama-server":
+        return None
+    for line in httpx.get(server.url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("spec_decode_rows_total "):
+            return float(line.split()[1])
+    raise SystemExit(f"{server.name}: /metrics has no spec_decode_rows_total")
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
@@ -204,7 +218,9 @@ def main() -> None:
                 order = servers[start:] + servers[:start]
                 order = order if r % 2 == 0 else order[::-1]
                 for s in order:
+                    before = decode_rows(s)
                     out = asyncio.run(level(s, prompts, c, args.max_tokens))
+                    out["rows"] = None if before is None else decode_rows(s) - before
                     runs[s.name].append(out)
                     print(f"  c={c} round {r + 1} {s.name}: {out['tok_s']:.1f} tok/s", flush=True)
             report[c] = summarize(runs)
@@ -229,7 +245,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
                      "ttft_p99": pct([x["ttft"] for x in results], 0.99),
                      "lat_p50": pct([x["latency"] for x in results], 0.5),
                      "lat_p99": pct([x["latency"] for x in results], 0.99),
-                     "same_as_plain": same, "requests": len(results)}
+                     "same_as_plain": same, "requests": len(results),
+                     "rows_per_token": None if rounds[0]["rows"] is None else
+                     sum(run["rows"] for run in rounds) / sum(x["tokens"] for x in results)}
     for name, v in out.items():
         # Paired round by round (same prompts, taken minutes apart at most): the machine's drift between
         # rounds cancels, which a ratio of medians would keep.
@@ -240,12 +258,14 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
 
 def print_level(c: int, n: int, rows: dict) -> None:
     print(f"\n## concurrency {c} ({n} requests a round)\n")
-    print("| server | tok/s | vs plain (rounds' range) | TTFT p50 / p99 s | latency p50 / p99 s | greedy = plain |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| server | tok/s | vs plain (rounds' range) | TTFT p50 / p99 s | latency p50 / p99 s | greedy = plain "
+          "| decode rows a token |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, v in rows.items():
+        work = "" if v["rows_per_token"] is None else f"{v['rows_per_token']:.2f}"
         print(f"| {name} | {v['tok_s']:.1f} | {v['vs_plain']:.2f}x ({v['vs_plain_min']:.2f}-{v['vs_plain_max']:.2f}) | "
               f"{v['ttft_p50']:.2f} / {v['ttft_p99']:.2f} | "
-              f"{v['lat_p50']:.1f} / {v['lat_p99']:.1f} | {v['same_as_plain']} of {v['requests']} |")
+              f"{v['lat_p50']:.1f} / {v['lat_p99']:.1f} | {v['same_as_plain']} of {v['requests']} | {work} |")
     print(flush=True)
 
 

@@ -73,7 +73,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.prefilling: list[Request] = []         # requests part-way through a chunked prefill, oldest first
         self._prefilled_last = False
-        self.stats = {"retractions": 0, "cached_tokens": 0, "prefill_tokens": 0, "decode_steps": 0}
+        # decode_rows: tokens the target's decode forwards ran (a request's root and draft tokens each).
+        self.stats = {"retractions": 0, "cached_tokens": 0, "prefill_tokens": 0, "decode_steps": 0, "decode_rows": 0}
         # What a decode step costs here: sizes drafts and Predicted Output chains.
         self.cost = StepCost(_PRIOR_ROW_COST[device])
         self._finished_now: list[Request] = []
@@ -446,6 +447,7 @@ class Scheduler:
         self._commit(step.reqs, result.counts, step.slots[result.kept])
         self.kv.free(step.slots[~result.kept])
         self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += result.rows
         logprobs = result.logprobs or [None] * len(step.reqs)
         for i, req in enumerate(step.reqs):
             if result.drafts is not None:

@@ -333,6 +333,7 @@ def test_metrics_parse_and_count(live):
     assert m["spec_generation_tokens_total"] >= 5 and m["spec_prompt_tokens_total"] >= 1
     assert m["spec_time_to_first_token_seconds_count"] >= 1 and m["spec_inter_token_latency_seconds_count"] >= 4
     assert m["spec_kv_cache_total_tokens"] == 8192 and m["spec_num_queue_reqs"] == 0
+    assert m["spec_decode_rows_total"] >= m["spec_decode_steps_total"] >= 4       # a row per request a step
 
 
 # ---------------------------------------------------------------------------------------- disconnects
@@ -900,6 +901,7 @@ def test_ngram_metrics_report_accept_length(model_dir):
         m = s.metrics()
     verify = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
     assert verify > 0 and m["spec_verify_steps_total"] == info["spec_verify_ct"] >= verify
+    assert m["spec_decode_rows_total"] > m["spec_verify_steps_total"]          # draft tokens were verified
     assert m["spec_accept_length_count"] > 0 and m["spec_accept_length_sum"] >= m["spec_accept_length_count"]
     assert m["spec_accept_length_avg"] == pytest.approx(info["avg_spec_accept_length"]) and m["spec_accept_length_avg"] >= 1.0
     assert [m[f'spec_accept_rate_by_position{{position="{d}"}}'] for d in range(1, 5)] == \

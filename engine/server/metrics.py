@@ -82,6 +82,9 @@ class _EngineCollector(Collector):
                                 value=s["kv_tokens_used"] / max(s["kv_tokens_total"], 1))
         yield CounterMetricFamily("spec_retractions", "Requests retracted to free KV for others.",
                                   value=s["retractions"])
+        yield CounterMetricFamily("spec_decode_steps", "Decode steps run.", value=s["decode_steps"])
+        yield CounterMetricFamily("spec_decode_rows", "Tokens the decode steps' target forwards ran: one per "
+                                  "request a step, plus its draft tokens.", value=s["decode_rows"])
         if "spec_verify_ct" in s:
             yield CounterMetricFamily("spec_verify_steps", "Verify steps (one per request per decode step).",
                                       value=s["spec_verify_ct"])
