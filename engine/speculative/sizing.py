@@ -22,8 +22,8 @@ and lam becomes the ratio of the sizes chosen; a few rounds settle it. At batch 
 device this keeps the whole tree wherever acceptance pays for it; as the batch grows and every row
 costs compute, trees shrink and turn off for the requests whose drafts are accepted least.
 
-Sizes depend on past verifications only, never on the current step's draws: verification stays exact
-whatever they are (speculative/verify.py).
+Sizes depend on past verifications and committed text only, never on the current step's draws:
+verification stays exact whatever they are (speculative/verify.py).
 """
 
 from __future__ import annotations
