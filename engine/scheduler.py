@@ -342,12 +342,12 @@ class Scheduler:
         catch_up = [self.cost.catch_up(lag) / max(1, min(r.remaining_tokens() // 2, CATCH_UP_STEPS))
                     for r, lag in zip(reqs, lags)]
         alphas, limit = [e.value if e else 0.0 for e in estimates], self.worker.num_draft_tokens - 1
-        # An estimate that keeps a request off would never change: try it again now and then, where a
-        # skipped step costs the drafter nothing later; less often in a larger batch, so that about one
-        # request in four steps explores; not at all where drafting well would not pay either.
+        # An estimate that keeps a request off would never change (nor would the average new requests
+        # start from): try it again now and then; less often in a larger batch, so that about one request
+        # in four steps explores; not at all where drafting well would not pay either, a draft model's
+        # catch-up included.
         every = EXPLORE_EVERY * max(1, len(reqs) // 4)
-        due = [e is not None and not drafter.catches_up and r.undrafted_steps >= every
-               for r, e in zip(reqs, estimates)]
+        due = [e is not None and r.undrafted_steps >= every for r, e in zip(reqs, estimates)]
         explore = worth_exploring(alphas, due, limit, self.cost, catch_up)
         sizes = draft_sizes(alphas, limit, self.cost, explore, catch_up)
         for r, k in zip(reqs, sizes):

@@ -226,8 +226,10 @@ class Fixed:
 def test_speculation_turns_off_as_the_batch_grows_and_on_again(confident_dir, monkeypatch):  # noqa: F811
     """With every request's acceptance at 0.5 and rows costing 0.4 of a one-row step each, drafting pays
     for one or two requests and not for three or more: it runs for a lone request, stops when eleven
-    share the steps, and starts again as they finish."""
+    share the steps, and starts again as they finish (tries to draft again, which a fixed estimate
+    cannot use, aside)."""
     monkeypatch.setattr(scheduler_module, "Acceptance", lambda *args, **kwargs: Fixed(0.5))
+    monkeypatch.setattr(scheduler_module, "EXPLORE_EVERY", 10 ** 6)
     eng = Engine(model_path=str(confident_dir), dtype="float32", max_total_tokens=8192,
                  speculative_algorithm="STANDALONE", speculative_draft_model_path=str(confident_dir),
                  speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
@@ -289,6 +291,25 @@ def test_each_verification_counts_toward_the_estimate_of_its_evidence(target, mo
     assert proposed.get(0, 0) == 0 and sum(proposed.values()) > 0
     estimates = eng._scheduler.by_evidence
     assert {key: recorded.get(id(e), 0) for key, e in estimates.items()} == {k: n for k, n in proposed.items() if k}
+
+
+def test_a_draft_model_left_behind_tries_drafting_again(confident_dir, monkeypatch):  # noqa: F811
+    """A STANDALONE request whose estimate keeps it off drafts again now and then, its draft model fed
+    what it skipped first, where drafting well would pay: an estimate that fell low does not keep the
+    request (nor the new requests that start from the average) off for good. Output stays plain's."""
+    monkeypatch.setattr(scheduler_module, "Acceptance", lambda *args, **kwargs: Fixed(0.01))
+    eng = Engine(model_path=str(confident_dir), dtype="float32", max_total_tokens=8192,
+                 speculative_algorithm="STANDALONE", speculative_draft_model_path=str(confident_dir),
+                 speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+    eng._scheduler.cost = fitted(0.05)
+    eng._scheduler.cost.observe = lambda *args: None
+    seen = RecordDrafts(eng)
+    ps = standalone_prompts(1, seed=4, lo=8, hi=12)
+    params = {"temperature": 0, "max_new_tokens": 60, "ignore_eos": True}
+    expected = generate(Engine(model_path=str(confident_dir), dtype="float32"), ps, params)
+    assert [o["output_ids"] for o in eng.generate(input_ids=ps, sampling_params=params)] == expected
+    drafted = [i for i, (_, sizes) in enumerate(seen.steps) if sizes and sizes[0]]
+    assert len(drafted) >= 2 and drafted[0] > 0          # off at first, by its estimate; then tries
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ class Drafter:
     scratch_slots = 0                    # KV slots per request per decode step besides the tree's
     capture_hidden: tuple[int, ...] = ()   # target hidden states it reads
     # A request left without drafts is caught up later, at a cost (a draft model fed the tokens it
-    # skipped): the scheduler does not then try drafting for it just to learn how well it drafts.
+    # skipped): its forwards are timed at start-up to price that.
     catches_up = False
 
     def set_tree(self, tree: tuple[int, int, int], sampling: str) -> None:
