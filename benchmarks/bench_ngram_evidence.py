@@ -36,6 +36,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from engine import Engine
+    from engine.bench.offline import ChatEncoder
 
     eng = Engine(model_path=args.model, num_threads=args.threads, log_level="warning",
                  speculative_algorithm="NGRAM", speculative_adaptive="off")
@@ -53,11 +54,10 @@ def main() -> None:
         return result
 
     worker.forward = recording
+    chat = ChatEncoder(eng.tokenizer)
     for prompt in prompt_pool(args.seed)[:args.prompts]:
-        ids = eng.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                tokenize=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        eng.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": args.max_new_tokens})
+        eng.generate(input_ids=chat.encode([{"role": "user", "content": prompt}]),
+                     sampling_params={"temperature": 0, "max_new_tokens": args.max_new_tokens})
     eng.shutdown()
 
     print(f"# {Path(args.model).name}, {args.prompts} prompts (seed {args.seed}), {args.max_new_tokens} new tokens, "
