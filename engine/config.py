@@ -32,13 +32,12 @@ DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
 # tokens costs about what 1 does.
 AUTO_TREE_LLAMA = (5, 4, 8)
 AUTO_TREE_OTHER = (3, 1, 4)
-# On a CPU the weight kernels are compute-bound past one row: each verified token adds 10-20% of a
-# step. `spec tune`'s best trees for EAGLE-3 and STANDALONE there had one or two draft steps and 3
-# tokens; SGLang's auto trees ran 10-30% slower (docs/speculative.md, "Tree shape on a CPU").
+# On a CPU the weight kernels are compute-bound past one row, so every verified token adds to a step's
+# cost: a tree of one or two draft steps and 3 tokens pays better there than SGLang's GPU-sized trees
+# (docs/speculative.md, "Tree shape on a CPU").
 AUTO_TREE_CPU = (1, 2, 3)
 # NGRAM's drafts cost nothing to make, but on a CPU every verified token still costs: with no tree flag
-# it verifies 4 tokens there, not SGLang's 12 (spec bench --compare-baseline -n 8, MT-Bench, both turns:
-# Qwen2.5-Coder-1.5B 1.20x -> 1.38x plain decoding, SmolLM2-135M 1.45x -> 1.73x).
+# it verifies 4 tokens there, not SGLang's 12 (docs/speculative.md, "Tree shape on a CPU").
 NGRAM_CPU_DRAFT_TOKENS = 4
 # The deepest draft a tree may have: positions run this far past the context length while verifying.
 MAX_SPECULATIVE_STEPS = 32

@@ -43,10 +43,10 @@ def resolve_dtype(name: str, config, device: str, quantized: bool = False) -> to
     return ckpt
 
 
-# oneDNN's int8 GEMM costs ~30 us a call whatever its size (torch's int4 kernel ~10 us), and weights
-# stream at ~25 GB/s here: below about this many weights per MLP projection the fixed cost dominates
-# and int4 decodes faster (SmolLM2-135M: 0.9M, 81 against 47 tokens/s), above it int8 reads win and its
-# flat cost over rows makes verification nearly free (Qwen2.5-1.5B: 13.8M, 11.4 against 8.1 tokens/s).
+# oneDNN's int8 GEMM has a fixed cost per call, whatever its size, several times torch's int4 kernel's:
+# below about this many weights per MLP projection that fixed cost dominates and int4 decodes faster
+# (SmolLM2-135M, 0.9M), above it int8's reads win and its flat cost over rows makes verification nearly
+# free (Qwen2.5-1.5B, 13.8M).
 # Both only where our w4a8 kernel has no VNNI path (it beats both at every size where it does).
 _W8A8_MIN_WEIGHTS = 2_000_000
 

@@ -11,12 +11,11 @@ over the list of its visible keys where they lie in the pool, by a fixed sequenc
 token's result is bit for bit the same alone
 or verified among others. Speculative decoding then repeats plain decoding exactly, also where bf16
 or int8 rounding downstream would amplify a last-bit difference between SDPA's decode and extend
-paths into a different token. It is also faster for decode (1.4-3.3x gather + SDPA in float32,
-1.1-1.6x in bf16; benchmarks/bench_attention.py); SDPA's GEMMs are faster for several queries per
-request, so prefill keeps them unless --enable-deterministic-inference asks for the kernel there too.
+paths into a different token. It is also faster than gather + SDPA for decode
+(benchmarks/bench_attention.py); SDPA's GEMMs are faster for several queries per request, so prefill keeps them unless --enable-deterministic-inference asks for the kernel there too.
 Otherwise every layer of a forward gathers into the same two buffers: a fresh padded copy per layer,
-once over glibc's 32 MB mmap threshold, is mapped and page-faulted again each time (1.4-2x slower
-attention at 32-64 requests x 1024-2048 tokens in float32), and the copies were never alive together.
+once over glibc's 32 MB mmap threshold, is mapped and page-faulted again each time (which slows
+attention at large batches of long contexts), and no two layers' copies are alive together.
 """
 
 from __future__ import annotations

@@ -2,13 +2,12 @@
 
 MKL's sgemm repacks the weight on every call; in the 2-64-row products of batched decode and tree
 verification that costs about as much as the product itself. A weight packed once in oneDNN's blocked
-layout (what torch.compile's CPU freezing does) skips it. Measured here on SmolLM2-135M's linears:
+layout (what torch.compile's CPU freezing does) skips it:
 
-- fp32, 16 rows: 61 ms packed vs 87 ms F.linear. One row (batch-1 decode) is a memory-bound GEMV where
-  MKL beats oneDNN and streams a column-major weight faster (27 vs 32 ms). So an fp32 weight is kept
-  twice: packed for 2+ rows, column-major for one.
-- bf16: packed wins at every row count (25 vs 34 ms at 1 row, 28 vs 40 ms at 16), so the packed copy
-  replaces the decoder's weights (left as shape-only `meta` tensors), and bf16 costs no extra memory
+- fp32: packed wins from 2 rows. One row (batch-1 decode) is a memory-bound GEMV where MKL beats oneDNN
+  and streams a column-major weight faster. So an fp32 weight is kept twice: packed for 2+ rows,
+  column-major for one.
+- bf16: packed wins at every row count, so the packed copy replaces the decoder's weights (left as shape-only `meta` tensors), and bf16 costs no extra memory
   beyond a packed copy of a head shared with the embedding. Only where the CPU has native bf16.
 """
 
@@ -23,8 +22,7 @@ _MIN_PACKED_ROWS = {torch.float32: 2, torch.bfloat16: 0}   # fp32 GEMV stays on 
 
 def native_bf16(device: str) -> bool:
     """Whether bf16 matmuls run on native instructions here: a CUDA device with bf16, or a CPU with
-    AVX-512-BF16 / AMX. Elsewhere they are emulated: on an AVX2-only CPU a bf16 linear ran at 20
-    GFLOPS against 180 in fp32 (2 cores, 1024 x 576 x 1536)."""
+    AVX-512-BF16 / AMX. Elsewhere they are emulated, several times slower than fp32."""
     if device.startswith("cuda"):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()

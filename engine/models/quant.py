@@ -4,9 +4,8 @@
   weights or more): int8 weights, one scale per output row, and int8 activations quantized per row on
   the fly (symmetric, one scale per token); the product runs in oneDNN's int8 GEMM (AMX or VNNI where
   the CPU has them). Integer products are exact, so a row's result never depends on the other rows of
-  the call (what speculative decoding's losslessness leans on), and the cost barely grows with the rows:
-  measured on a Xeon with AMX, Qwen2.5-1.5B's gate/up projection takes 0.65 ms for 1 row and 0.70 ms for
-  8 (docs/benchmarking.md). 1 byte per weight.
+  the call (what speculative decoding's losslessness leans on), and the cost barely grows with the rows
+  (reading the weights dominates at a few rows; docs/benchmarking.md). 1 byte per weight.
 - w4a8 (the default for GGUF files on CPUs with AVX-512 VNNI): a GGUF's own 4-bit groups (below)
   times int8 activations quantized in the same groups of 32, in our C kernel (kernels/cpu_w4a8.c:
   VNNI integer dot products, weights unpacked once for up to 8 rows, each row's result independent of
@@ -17,15 +16,15 @@
   (Int8GroupLinear); a fused projection whose parts come in different formats chains them
   (MixedLinear). Layers in other types (Q2_K, Q3_K, IQ*) and a float head become symmetric int8
   groups of 32 there; an embedding the GGUF stores in one of these types stays in it (GroupEmbedding),
-  another one becomes int8 rows. A float checkpoint's linears are rounded to 4-bit groups. On a Xeon
-  (AVX-512 VNNI) Qwen2.5-1.5B's gate/up projection took 0.21 ms for 1 row and 0.38 ms for 8, against
-  w8a8_int8's 0.41 and 0.52; a 512-token prefill ran at 201 tokens/s against w8a8_int8's 459 (oneDNN's
-  AMX GEMM).
+  another one becomes int8 rows. A float checkpoint's linears are rounded to 4-bit groups. It reads
+  about half of w8a8_int8's bytes, so it is the faster of the two at the few rows of a decode or verify
+  step; a long prefill, which is compute-bound, runs faster in oneDNN's GEMM where the CPU has AMX.
 - int4: groups of 32 weights along the input, w = q * scale + min with q in 0..15 (GGUF's Q4_0, Q4_1
   and Q4_K are exactly this, engine/loader/gguf_quant.py), weight-only: torch's
-  _weight_int4pack_mm_for_cpu with bf16 activations (scalar, 7-20x slower, with fp32 ones), the scale
-  and min rounded to bf16 there. As fast as w8a8_int8 for one row, ~3.7x that for 8. 0.625 bytes per
-  weight, and a GGUF's own 4-bit weights served exactly.
+  _weight_int4pack_mm_for_cpu with bf16 activations (its fp32 path is scalar, many times slower), the
+  scale and min rounded to bf16 there. About as fast as w8a8_int8 for one row, several times its cost for
+  8. 0.625 bytes per weight, and a GGUF's own 4-bit weights
+  served exactly.
 The layers quantized are the decoder's (q/k/v, o, gate/up, down); with w8a8_int8 and w4a8 the lm_head
 too, and the embedding is kept as int8 rows (Int8Embedding; under w4a8 a GGUF's own groups where it
 has them). Norms stay dense.
@@ -169,8 +168,8 @@ class _BlocksLinear(W4A8Linear):
 
 class Q6KLinear(_BlocksLinear):
     """GGUF's Q6_K weights as they are (6-bit q, an int8 scale per 16, fp16 d per 256: 0.82 bytes a weight)
-    x int8 activations in the same kernel: under w4a8, a GGUF's Q6_K layers and head. Before, they were
-    dequantized and rounded to int8 groups (1.125 bytes a weight, and not the file's weights)."""
+    x int8 activations in the same kernel: under w4a8, a GGUF's Q6_K layers and head, kept as the file's
+    weights and smaller than int8 groups of them (1.125 bytes a weight)."""
     bits = 6
 
 

@@ -36,7 +36,8 @@ Draw = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Ten
 def top_k(x: torch.Tensor, k: int, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """x.topk(k) over the last dimension, up to the order of equal values. The k largest lie in the k
     blocks with the largest maxima, so only those are ranked: on a CPU topk over a whole vocabulary is a
-    partial sort, 0.28 ms a row of 151,936 logits against 0.03 ms this way."""
+    partial sort of every logit, where one pass for the block maxima and a sort of k blocks cost a
+    fraction of it."""
     V = x.shape[-1]
     if V < 16 * block or k > V // block or x.device.type != "cpu":
         return x.topk(k, dim=-1)
