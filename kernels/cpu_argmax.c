@@ -1,7 +1,6 @@
 /* Row-wise argmax of fp32 logits on the CPU (kernels/cpu_argmax.py builds and calls it): the index
  * torch.argmax returns (the first of equal maxima; a NaN counts as the largest, its first one wins), in
- * one vectorized pass. torch's CPU argmax takes 190 us for one row of Qwen's 151,936 logits and 400 us
- * for a 4-token verify (about 1% of a step); this pass takes 16 and 32 us. */
+ * one vectorized pass, a fraction of the time torch's CPU argmax takes over a 150k-token vocabulary. */
 #include <stdint.h>
 #include <string.h>
 

@@ -11,12 +11,12 @@
  * fixed tree, a two-pass softmax (its sum in 16 lanes, reduced the same way), values accumulated key
  * after key and divided by the sum at the end. Where the CPU has avx512_bf16, a bf16 pool's scores take
  * its queries and keys as stored, each lane adding a pair of dimensions at a time (vdpbf16ps: bf16
- * products are exact in fp32; that instruction flushes subnormals): 1.2-1.35x a step's attention on 2
- * EPYC cores, against converting every key to fp32 first. Its values are weighted as flash attention
+ * products are exact in fp32; that instruction flushes subnormals), faster than converting every key to
+ * fp32 first. Its values are weighted as flash attention
  * weights them: the softmax's weights rounded to bf16, a lane adding two keys' terms at a time (keys 0
- * and 1 of the token's list, 2 and 3, ...), where fp32 weights took one FMA a key. A verify of 8 tokens
- * over 512 keys (SmolLM2's heads): 70 -> 59 us a layer on one EPYC core; the mean error against float64
- * goes from the output's bf16 rounding alone to 1.4-1.5x that (kernel tests' cases). An fp32 pool keeps
+ * and 1 of the token's list, 2 and 3, ...), where fp32 weights take one FMA a key: half the FMAs, for a
+ * mean error against float64 a little above the output's bf16 rounding alone (the kernel tests bound
+ * it). An fp32 pool keeps
  * fp32 weights: it is the exact reference.
  * A request's tokens (a verified tree) share its prefix: those keys are read once for all of them,
  * which changes the order of nothing a single token computes.
@@ -456,7 +456,6 @@ int spec_attend(const void *q, const void *k_pool, const void *v_pool, void *out
     if (D % LANES || D > MAX_HEAD_DIM || H % Hkv || T == 0) return T == 0 ? 0 : -1;
     const Problem P = {q, k_pool, v_pool, out, bf16, PAIRS && bf16 && D % (2 * LANES) == 0, H, Hkv, D, H / Hkv,
                        kv_index, kv_len, max_kv, scale};
-    /* On 2 EPYC cores, 8-token verifies: 4 tokens an item 103-175 us a layer, 2 tokens 131-224, 8 up to 1.5x 4 */
     int64_t per = (T * Hkv + threads - 1) / threads;
     per = per < 1 ? 1 : per > 4 ? 4 : per;
     int64_t items = 0;

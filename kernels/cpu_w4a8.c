@@ -16,7 +16,7 @@
  *   d[n] sc[n, h] * dx[m, g] * (sum_i q[n, h, i] x8[m, h, i] - 32 sum_i x8[m, h, i])
  * with the offset taken in the integer sum (d * sc is exact in fp32). Weights are unpacked once per
  * call for up to 8 rows (one row is bound by memory, 8 by the VNNI instructions, 8 per row, group and
- * block: on 2 EPYC cores 8 rows of Qwen2.5-1.5B's gate/up cost 1.1-1.3x one row read from DRAM), and a
+ * block: 8 rows cost little more than one row read from DRAM), and a
  * row's result is a fixed sequence of operations on that row alone: it does not depend on the other
  * rows of the call or on threads, which speculative decoding's losslessness rests on.
  *
@@ -134,8 +134,8 @@ static void quantize_row(const void *x, int bf16, int K, int8_t *x8, float *dx, 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KERNEL "avx512-vnni"
 /* s[r] += the VNNI products of vectors j0 <= j < j1 of a group with row r's activation quads, r < ROWS.
- * Row by row, each sum waited on its previous instruction 8 times a group; interleaved, the rows' chains
- * overlap (1.1-1.2x at 8 rows). Integer sums: the same values in any order. */
+ * Interleaved, the rows' dependency chains overlap, where row by row each sum would wait on its previous
+ * instruction 8 times a group. Integer sums: the same values in any order. */
 static inline __attribute__((always_inline)) void vnni_sums(__m512i *s, const __m512i *q, int j0, int j1,
                                                              const int8_t *x8, int64_t K, int g, const int ROWS) {
 #pragma GCC unroll 8
@@ -162,7 +162,7 @@ static inline __attribute__((always_inline)) void block_dot(
         const uint8_t *wg = w + (int64_t)g * 64 * BITS;
         for (int c = 0; c < BITS; c++)      /* the next block's same lines: a layer's first touch is DRAM's */
             _mm_prefetch((const char *)(wg + 2 * (int64_t)G * 64 * BITS + 64 * c), _MM_HINT_T0);
-        if (g % 2 == 0)                     /* and its scales and mins, a line per 2 groups (8 rows from DRAM: 1.2x) */
+        if (g % 2 == 0)                     /* and its scales and mins, a line per 2 groups */
             _mm_prefetch((const char *)(ws + (2 * (int64_t)G + g) * NB), _MM_HINT_T0);
         if (BITS != 6 && !KQ && g % 2 == 0)
             _mm_prefetch((const char *)(wm + (2 * (int64_t)G + g) * NB), _MM_HINT_T0);
@@ -202,7 +202,7 @@ static inline __attribute__((always_inline)) void block_dot(
             const __m512 dh[2] = {_mm512_mul_ps(_mm512_cvtepi32_ps(sc_lo), d),
                                   _mm512_mul_ps(_mm512_cvtepi32_ps(sc_hi), d)};
             /* Both halves' sums first, then their float steps: folded half by half, a row's second sum
-             * waited on its first's float step (8 rows: 35 -> 29 us on a 1024x1536 layer from cache). */
+             * would wait on its first's float step. */
             __m512i s_hi[MR];
 #pragma GCC unroll 8
             for (int r = 0; r < ROWS; r++) {
@@ -414,8 +414,8 @@ int spec_w4a8_linear(const struct spec_w4a8_layer *L, const void *x, int bf16, i
 /* q [N, K] (one byte a weight, or with `nibbles` two: byte k / 2's low nibble is weight k, its high one
  * weight k + 1, as GGUF's 4-bit groups are stored) -> the weight layout above, [blocks][G][bits][64],
  * rows past N zero. A group's vector j for row n is one 32-bit word (weights 4 j .. 4 j + 3, a byte
- * each), so the layout is 16 x 8 words moved and masked per group. Against torch's permutes and copies
- * over nibbles unpacked first, Qwen2.5-1.5B's Engine() start went from 5.3-5.4 to 4.0-4.3 s (2 EPYC cores). */
+ * each), so the layout is 16 x 8 words moved and masked per group: in one pass, where torch's permutes
+ * and copies over nibbles unpacked first took a large part of a model's load. */
 void spec_w4a8_pack(const uint8_t *q, int nibbles, int64_t N, int64_t K, int bits, uint8_t *out, int threads) {
     const int64_t G = K / GROUP, blocks = (N + NB - 1) / NB, row_bytes = nibbles ? K / 2 : K;
     const uint32_t low4 = 0x0f0f0f0fu;

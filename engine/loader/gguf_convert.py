@@ -79,7 +79,7 @@ def _parse_once():
     `gguf.get_tensor_name_map(arch, layers)` one map.
 
     transformers parses the whole header again for the config, the tensors and the tokenizer's
-    config; with a 150k-token vocabulary each parse takes ~20 s on CPU, most of a conversion. It also
+    config; with a 150k-token vocabulary each parse takes tens of seconds, most of a conversion. It also
     builds the tensor-name map again for each of the model's modules (hundreds; seconds in all). It
     looks both up at call time, so swapping the attributes is enough.
     """

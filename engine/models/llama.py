@@ -153,7 +153,7 @@ class DecoderLayer(nn.Module):
 
 def embedding(config) -> nn.Embedding:
     """The token embedding, left uninitialised on the meta device, where load_model builds a model whose
-    every weight it loads: the random init there imports torch._dynamo, 1.2-1.5 s of every start."""
+    every weight it loads: the random init there imports torch._dynamo, over a second of every start."""
     size = (config.vocab_size, config.hidden_size)
     return nn.Embedding(*size, _weight=torch.empty(size)) if torch.empty(0).is_meta else nn.Embedding(*size)
 

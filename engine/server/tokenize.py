@@ -1,7 +1,7 @@
 """Tokenization for the HTTP side, on a thread of its own.
 
-A long prompt costs the tokenizer seconds (4 MB: about 3.5 s on the 2-core development machine) and
-the Rust tokenizer releases the GIL while it works, so on a thread it no longer stalls the event loop
+A long prompt costs the tokenizer seconds (a prompt of megabytes) and the Rust tokenizer releases the
+GIL while it works, so on a thread it does not stall the event loop
 (health checks, every other stream). One thread keeps calls on the tokenizer object from overlapping.
 A prompt that cannot fit the context is refused before it is tokenized, where its length alone tells.
 """

@@ -76,8 +76,8 @@ def load_draft(args: ServerArgs, target: nn.Module, target_dir, dtype: torch.dty
 
 def _head_quantization(args: ServerArgs, target: nn.Module, target_dir, device: str) -> Optional[str]:
     """The head's weight format: the one named, or with auto w4a8 beside a target loaded with w4a8
-    layers (its layers then run in the target's kernel: ~8-16% faster EAGLE-3 steps on
-    Qwen2.5-Coder-1.5B, the same accept length, docs/convert.md; drafts never change the output), else
+    layers (its layers then run in the target's kernel: faster EAGLE-3 steps at the same accept length,
+    docs/convert.md; drafts never change the output), else
     the checkpoint's own weights."""
     from engine.model_runner import resolve_quantization
     from engine.models.quant import W4A8Linear
