@@ -24,6 +24,7 @@ from engine.model_runner import ModelRunner, kv_layout, load_model, resolve_devi
 from engine.progress import progress
 from engine.scheduler import Scheduler
 from engine.speculative.cost import StepCost
+from engine.speculative.planner import PRIOR_ROW_COST, Planner, PlannerFactory
 from engine.speculative.factory import create_drafter, load_draft_model, unseeded_rule
 from engine.speculative.token_map import resolve_token_map
 from engine.worker import Worker
@@ -109,7 +110,8 @@ def resolve_args(args: ServerArgs, model_config, device: str) -> ServerArgs:
     return args
 
 
-def build_engine_parts(args: ServerArgs) -> EngineParts:
+def build_engine_parts(args: ServerArgs, planners: Optional[PlannerFactory] = None) -> EngineParts:
+    """The engine's parts; `planners` makes each worker's planner (timed_planner unless given)."""
     device = resolve_device(args.device)
     check_backend(args.attention_backend, device, args.enable_deterministic_inference)   # before any file is read
     if device == "cpu":     # every kernel ready before the first request, and said which
@@ -154,21 +156,29 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     model_draft = draft is not None
     attach(args, runner, kv, device, max_running, worker.num_draft_tokens if model_draft else 1,
            tree_masks=model_draft and args.speculative_eagle_topk > 1)
-    scheduler = Scheduler(args, kv, worker, tokenizer, eos, args.context_length, max_running, device)
-    measure_step_cost(args, scheduler.cost, runner, worker.drafter, kv)
+    scheduler = Scheduler(args, kv, worker, tokenizer, eos, args.context_length, max_running, device,
+                          planners or timed_planner)
     log.info("model %s: %s%s, %.0f MiB of weights%s; KV pool %d tokens (%.0f MiB)", model_dir, dtype,
              f", {quantization} weights" if quantization else "", model_bytes(target) / 2**20,
              f" + {model_bytes(draft) / 2**20:.0f} MiB draft" if draft is not None else "", slots, slots * per_token / 2**20)
     return EngineParts(args, model_dir, config, tokenizer, kv, runner, draft, scheduler, eos)
 
 
-def measure_step_cost(args: ServerArgs, cost: StepCost, runner: ModelRunner, drafter, kv: KVManager) -> None:
-    """Time forwards of the target (and of a draft model that catches up) for the step cost model. Not
-    under tensor parallelism: every rank would have to run the same forwards, on pools sized apart."""
+def timed_planner(worker: Worker, args: ServerArgs, kv: KVManager) -> Planner:
+    """The worker's planner, its step cost priced by the worker's forwards timed now (the default)."""
+    return Planner(worker, args, measured_cost(worker, args, kv))
+
+
+def measured_cost(worker: Worker, args: ServerArgs, kv: KVManager, timer=forward_times) -> StepCost:
+    """A step cost model from forwards of the target (and of a draft model that catches up) timed by
+    `timer` (cost_probe.forward_times). Not under tensor parallelism: every rank would have to run the
+    same forwards, on pools sized apart."""
+    cost = StepCost(PRIOR_ROW_COST[kv.table.device.type])
     if args.tp_size > 1:
-        return
-    target = forward_times(runner, kv)
-    draft = forward_times(drafter.runner, kv) if drafter is not None and drafter.catches_up else None
+        return cost
+    drafter = worker.drafter
+    target = timer(worker.target, kv)
+    draft = timer(drafter.runner, kv) if drafter is not None and drafter.catches_up else None
     if draft:
         # A drafted step runs `steps` draft forwards of about topk rows a request: the search's
         # depths after the root's, and the feed of what the target accepted.
@@ -178,6 +188,7 @@ def measure_step_cost(args: ServerArgs, cost: StepCost, runner: ModelRunner, dra
     if target:
         log.info("forward times by rows (for draft sizes): %s%s", _millis(target),
                  f"; draft model {_millis(draft)}" if draft else "")
+    return cost
 
 
 def _millis(times: dict[int, float]) -> str:

@@ -9,7 +9,8 @@
 `text`, `output_ids` and `meta_info`; `stream=True` yields cumulative updates as tokens arrive. The
 engine steps its scheduler in the calling thread; the HTTP server drives the same `add_request` /
 `step` API from its own loop. This class is the whole surface the server, `spec bench` / `spec tune`
-and `spec convert` use: they never reach into the scheduler, worker or models.
+and `spec convert` use: they never reach into the scheduler, worker or models. Tests and benchmarks
+that must look inside read `Engine.debug` (an EngineView of the parts), never private attributes.
 """
 
 from __future__ import annotations
@@ -41,8 +42,27 @@ MAX_TOP_LOGPROBS = 20
 _SPECULATIVE_FIELDS = tuple(f.name for f in dataclasses.fields(ServerArgs) if f.name.startswith("speculative_"))
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineView:
+    """An engine's parts as they are now (Engine.debug), for tests and benchmarks that look inside: the
+    target's model runner, the KV manager, the worker of the current speculative configuration and its
+    planner. Reading is safe between steps; what changes them is the engine's own business."""
+    target: Any                 # engine.model_runner.ModelRunner
+    kv: Any                     # engine.memory.kv_manager.KVManager
+    worker: Any                 # engine.worker.Worker
+    planner: Any                # engine.speculative.planner.Planner
+
+    @property
+    def drafter(self):
+        return self.worker.drafter
+
+
 class Engine:
-    def __init__(self, server_args: Optional[ServerArgs] = None, **kwargs: Any):
+    def __init__(self, server_args: Optional[ServerArgs] = None, *, planner: Optional[Callable] = None,
+                 **kwargs: Any):
+        """`server_args`, or its fields as keywords. `planner` (an engine.speculative.planner.PlannerFactory)
+        makes the planner of each speculative configuration; by default one whose step cost starts from
+        forwards timed on this machine (engine.build.timed_planner). Tests give planners of fixed cost."""
         if server_args is not None and kwargs:
             raise TypeError("pass either server_args or keyword flags, not both")
         from engine.build import build_engine_parts
@@ -53,7 +73,7 @@ class Engine:
         self._tp = join(args)
         try:
             with tp_group.sharded(self._tp is not None):
-                parts = build_engine_parts(args)
+                parts = build_engine_parts(args, planner)
             if self._tp:
                 self._tp.attach(parts.scheduler.worker)
                 self._tp.started()
@@ -88,6 +108,11 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self._scheduler.has_work
+
+    @property
+    def debug(self) -> EngineView:
+        """The engine's parts, for tests and benchmarks (see EngineView); the server never reads them."""
+        return EngineView(self._target, self._kv, self._scheduler.worker, self._scheduler.planner)
 
     def stats(self) -> dict:
         """Counters and gauges: steps, prefill and cached tokens, retractions, requests running and
@@ -151,10 +176,6 @@ class Engine:
         with tp_group.sharded(self._tp is not None):
             return load_draft_model(args, model, self.model_dir, next(model.parameters()).dtype,
                                     str(self._kv.table.device), args.max_positions)
-
-    def flush_cache(self) -> None:
-        """Empty the prefix cache (benchmarks that must not reuse another pass's prompts)."""
-        self._kv.flush()
 
     def capture_hidden_states(self, layers: Sequence[int]) -> None:
         """From now on every request keeps its positions' hidden states in `Request.captured`: the

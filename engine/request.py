@@ -75,10 +75,6 @@ class Request:
     # Speculative counters.
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0              # draft tokens accepted (bonus tokens excluded)
-    # --speculative-adaptive (engine/speculative/sizing.py): how well its drafts are accepted, and the
-    # decode steps since it last drafted.
-    acceptance: object = field(default=None, repr=False)
-    undrafted_steps: int = 0
 
     # Hidden states kept per forward when the engine captures them (training-data generation):
     # (first position, {layer index or "final": [n, H]}, argmax [n] with -1 where no logits were computed).

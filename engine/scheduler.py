@@ -28,9 +28,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import DistributedError
 from engine.memory.kv_manager import KVManager
 from engine.request import FinishReason, Request, Status
-from engine.speculative.cost import StepCost
-from engine.speculative.prediction import ANCHOR_MAX, chain_length
-from engine.speculative.sizing import Acceptance, draft_sizes, worth_exploring
+from engine.speculative.planner import PlannerFactory
 from engine.speculative.stats import SpecStats
 from engine.step import DecodeStep, PrefillStep, StepResult
 from engine.worker import Worker
@@ -45,22 +43,12 @@ _RESERVE_TOKENS = 8
 _MAX_OVERTAKEN = 16
 # Prompts prefilled in pieces at the same time: a shorter long prompt need not wait for a longer one.
 _MAX_PARTIAL = 4
-# --speculative-adaptive: a request kept from drafting tries again after this many decode steps, times a
-# quarter of the batch (where that costs nothing later); a draft model's catch-up is priced over at most
-# CATCH_UP_STEPS steps; the acceptance across requests forgets more slowly than a request's own.
-EXPLORE_EVERY = 16
-CATCH_UP_STEPS = 64
-ACROSS_DECAY = 0.99
-# A further row's share of a one-row decode step before step times are measured: on a CPU the weight
-# kernels are compute-bound past one row; on a GPU rows are nearly free until the batch is large.
-_PRIOR_ROW_COST = {"cpu": 0.12, "cuda": 0.01}
-
 Step = Union[PrefillStep, DecodeStep]
 
 
 class Scheduler:
     def __init__(self, args: ServerArgs, kv: KVManager, worker: Worker, tokenizer, eos_ids: Sequence[int],
-                 context_len: int, max_running: int, device: str):
+                 context_len: int, max_running: int, device: str, planners: PlannerFactory):
         self.args = args
         self.kv = kv
         self.tokenizer = tokenizer
@@ -75,22 +63,19 @@ class Scheduler:
         self._prefilled_last = False
         # decode_rows: tokens the target's decode forwards ran (a request's root and draft tokens each).
         self.stats = {"retractions": 0, "cached_tokens": 0, "prefill_tokens": 0, "decode_steps": 0, "decode_rows": 0}
-        # What a decode step costs here: sizes drafts and Predicted Output chains.
-        self.cost = StepCost(_PRIOR_ROW_COST[device])
+        self._planners = planners
         self._finished_now: list[Request] = []
         self.set_worker(worker, args)
 
     def set_worker(self, worker: Worker, args: ServerArgs) -> None:
         """Decode with another worker (another speculative configuration), between requests only: the
-        radix cache is emptied, since its entries hold no KV of a draft that was not running."""
+        radix cache is emptied, since its entries hold no KV of a draft that was not running, and a new
+        planner decides what the worker drafts (speculative/planner.py)."""
         assert not self.has_work, "workers change between requests only"
         self.kv.flush()
         self.worker, self.args = worker, args
         self.spec_stats = SpecStats(args.speculative_num_steps) if worker.drafter else None
-        # Acceptance across requests: where a new request's estimate starts (--speculative-adaptive);
-        # and per evidence a drafter gives (Drafter.evidence), that of the drafts resting on it.
-        self.acceptance = Acceptance(decay=ACROSS_DECAY)
-        self.by_evidence: dict[int, Acceptance] = {}
+        self.planner = self._planners(worker, args, self.kv)
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, req: Request) -> None:
@@ -315,78 +300,14 @@ class Scheduler:
         return True
 
     def _decode_step(self, reqs: list[Request]) -> DecodeStep:
-        drafter = self.worker.drafter
-        lags = [drafter.lag(r) for r in reqs] if drafter else [0] * len(reqs)
-        drafts, evidence = self._drafts(reqs, lags)
-        chains = self._chains(reqs, drafts)
-        per_req = self.worker.slots_per_request + max(map(len, chains or [[]]))
-        if chains and self.kv.available() < per_req * len(reqs):
-            chains, per_req = None, self.worker.slots_per_request       # no room: verify the chains later
-        catch_up = sum(lag for lag, on in zip(lags, self._drafting(reqs, drafts)) if on)
-        return DecodeStep(reqs, self.kv.alloc(per_req * len(reqs)).view(len(reqs), per_req), chains, drafts,
-                          catch_up, evidence)
-
-    def _drafts(self, reqs: list[Request], lags: list[int]) -> tuple[Optional[list[int]], Optional[list]]:
-        """Each request's draft tokens for this step (--speculative-adaptive), as many as pay by the step
-        cost model and the acceptance expected of them (engine/speculative/sizing.py), and what each
-        draft rests on (Drafter.evidence); (None, None): the whole tree, sized by nothing.
-        lags[b]: tokens of request b the drafter skipped (Drafter.lag)."""
-        drafter = self.worker.drafter
-        if drafter is None or self.args.speculative_adaptive == "off":
-            return None, None
-        evidence = [drafter.evidence(r) for r in reqs]
-        estimates = [self._estimate(r, key) for r, key in zip(reqs, evidence)]
-        # A draft model that skipped a request's tokens feeds them when it drafts again: that pays off over
-        # the steps it goes on drafting (about two tokens each), counted as at most CATCH_UP_STEPS: the
-        # load may change before.
-        catch_up = [self.cost.catch_up(lag) / max(1, min(r.remaining_tokens() // 2, CATCH_UP_STEPS))
-                    for r, lag in zip(reqs, lags)]
-        alphas, limit = [e.value if e else 0.0 for e in estimates], self.worker.num_draft_tokens - 1
-        # An estimate that keeps a request off would never change (nor would the average new requests
-        # start from): try it again now and then; less often in a larger batch, so that about one request
-        # in four steps explores; not at all where drafting well would not pay either, a draft model's
-        # catch-up included.
-        every = EXPLORE_EVERY * max(1, len(reqs) // 4)
-        due = [e is not None and r.undrafted_steps >= every for r, e in zip(reqs, estimates)]
-        explore = worth_exploring(alphas, due, limit, self.cost, catch_up)
-        sizes = draft_sizes(alphas, limit, self.cost, explore, catch_up)
-        for r, k in zip(reqs, sizes):
-            r.undrafted_steps = 0 if k else r.undrafted_steps + 1
-        return sizes, evidence
-
-    def _estimate(self, req: Request, key: Optional[int]) -> Optional[Acceptance]:
-        """The acceptance estimate that sizes a request's draft this step: that of drafts resting on the
-        same evidence (Drafter.evidence), else the request's own; either starts from the average across
-        requests. None: there is nothing to draft."""
-        if key == 0:
-            return None
-        if key is None:
-            if req.acceptance is None:
-                req.acceptance = Acceptance(self.acceptance.value)
-            return req.acceptance
-        if key not in self.by_evidence:
-            self.by_evidence[key] = Acceptance(self.acceptance.value, decay=ACROSS_DECAY)
-        return self.by_evidence[key]
-
-    def _chains(self, reqs: list[Request], drafts: Optional[list[int]]) -> Optional[list[list[int]]]:
-        """Each request's Predicted Output chain for this step, as long as pays by the step cost model
-        and its recent acceptance (none without a prediction); None when no request has one."""
-        if all(r.prediction is None for r in reqs):
-            return None
-        # The step's rows without chains.
-        rows = len(reqs) + (sum(drafts) if drafts is not None else len(reqs) * (self.worker.num_draft_tokens - 1))
-
-        def cost(k: int) -> float:
-            return self.cost.relative(rows, k)
-
-        chains = []
-        for r in reqs:
-            p = r.prediction
-            tail = r.token_ids[-ANCHOR_MAX:]
-            left = p.remaining(tail) if p is not None else 0        # finds the place first, when lost
-            room = min(left, r.remaining_tokens() - 1, self.context_len - r.seq_len - 1)
-            chains.append(p.chain(tail, chain_length(p.chance, room, cost)) if left else [])
-        return chains if any(chains) else None
+        plan = self.planner.plan(reqs)
+        chains, per_req = plan.chains, self.worker.slots_per_request
+        if chains:
+            per_req += max(map(len, chains))
+            if self.kv.available() < per_req * len(reqs):
+                chains, per_req = None, self.worker.slots_per_request      # no room: verify the chains later
+        return DecodeStep(reqs, self.kv.alloc(per_req * len(reqs)).view(len(reqs), per_req), chains, plan.drafts,
+                          plan.catch_up, plan.evidence)
 
     # ------------------------------------------------------------------ running a step
     def _run(self, step: Step) -> list[Request]:
@@ -396,9 +317,8 @@ class Scheduler:
         try:
             start = time.perf_counter()
             result = self._forward(step)
-            if result.rows:
-                drafted = sum(self._drafting(step.reqs, step.drafts))
-                self.cost.observe(result.rows, time.perf_counter() - start, drafted, result.draft_seconds, step.catch_up)
+            if isinstance(step, DecodeStep):
+                self.planner.observe(step, result, time.perf_counter() - start)
             return self.apply(step, result)
         except DistributedError:
             raise                               # no request is to blame: the engine cannot go on
@@ -412,12 +332,6 @@ class Scheduler:
             log.exception("request %s failed; ending it", req.rid)
             self._fail(req, exc)
             return [req]
-
-    def _drafting(self, reqs: Sequence[Request], drafts: Optional[Sequence[int]]) -> list[bool]:
-        """Per request, whether the drafter drafts for it in a decode step of these sizes."""
-        if self.worker.drafter is None:
-            return [False] * len(reqs)
-        return [True] * len(reqs) if drafts is None else [k > 0 for k in drafts]
 
     def _one_by_one(self, step: Step) -> Iterator[Step]:
         """A failed step's work again, a step per request not ended, each built when the last has run."""
@@ -454,10 +368,6 @@ class Scheduler:
                 req.spec_verify_ct += 1
                 req.spec_accepted_tokens += result.drafts[i]
                 self.spec_stats.record(result.drafts[i])
-                estimate = self._estimate(req, step.evidence[i]) if step.evidence is not None else None
-                if estimate is not None:
-                    estimate.record(result.proposed[i], result.drafts[i])
-                    self.acceptance.record(result.proposed[i], result.drafts[i])
             self._keep_captured(req, result, i)
             if result.predicted is not None and step.chains[i]:
                 req.prediction.verified(len(step.chains[i]), result.predicted[i])

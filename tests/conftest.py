@@ -24,25 +24,6 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _untimed_steps():
-    """Engines size drafts and prediction chains by the prior step cost, not by this machine's step
-    times or forwards timed at start-up: what a test sees must not depend on how fast the machine is
-    (tests/test_adaptive_drafts.py gives the cost model timings of its own)."""
-    import engine.build
-    import engine.scheduler
-    from engine.speculative.cost import StepCost
-
-    class Untimed(StepCost):
-        def observe(self, *args):
-            pass
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engine.scheduler, "StepCost", Untimed)
-        patch.setattr(engine.build, "forward_times", lambda runner, kv: {})
-        yield
-
-
 @pytest.fixture
 def served(monkeypatch):
     """Stand in for engine.server: record the ServerArgs `spec serve` would serve, start nothing."""

@@ -10,25 +10,18 @@ import random
 import pytest
 import torch
 
-import engine.scheduler as scheduler_module
 from engine import cost_probe
 from engine import Engine
+from engine.build import measured_cost
 from engine.speculative import standalone
 from engine.speculative.cost import DRAFT_WARMUP, Curve, StepCost
-from engine.speculative.sizing import START_ALPHA, Acceptance, draft_sizes, expected_accepted, worth_exploring
+from engine.speculative.planner import Planner
+from engine.speculative.sizing import DECAY, START_ALPHA, Acceptance, draft_sizes, expected_accepted, worth_exploring
 from tests.drafts import ALGOS, draft_setup
+from tests.planning import Fixed, fitted, planner
 from tests.test_speculative_lossless import GREEDY, prompts
 from tests.test_standalone import confident_dir, generate, target_dir  # noqa: F401  (fixtures)
 from tests.test_standalone import prompts as standalone_prompts
-
-
-def fitted(slope: float, draft: float = 0.0, rows=range(1, 40)) -> StepCost:
-    """A cost model that has seen steps of a + b * R seconds (b / a = slope), drafting `draft` seconds
-    per request."""
-    cost = StepCost(slope)
-    for r in list(rows) * 4:
-        cost.observe(r, 0.01 * (1 + slope * r) + draft, 1 if draft else 0, draft)
-    return cost
 
 
 # ------------------------------------------------------------------ the model
@@ -108,26 +101,50 @@ def test_a_catch_up_keeps_a_request_off_until_it_pays():
     assert draft_sizes([0.6, 0.6], 4, cost, extra=[0.0, 0.0005])[1] > 0   # a small one is worth paying
 
 
-def test_the_forwards_are_timed_on_the_engine_s_own_runners(confident_dir, monkeypatch):  # noqa: F811
-    """The build times the target's forwards, and the draft model's where it catches up (the timer is
-    stubbed out in the other tests: timings vary by machine), and hands back every slot it used."""
-    import engine.build as build
+def timing(timed: list):
+    """A planner factory timing forwards as the default does, recording each runner it times."""
+    def timer(runner, kv):
+        timed.append(runner)
+        return cost_probe.forward_times(runner, kv)
 
+    return lambda worker, args, kv: Planner(worker, args, measured_cost(worker, args, kv, timer))
+
+
+def test_the_forwards_are_timed_on_the_engine_s_own_runners(confident_dir):  # noqa: F811
+    """The target's forwards are timed, and the draft model's where it catches up (other tests give
+    fixed costs: timings vary by machine), and every slot used is handed back."""
     timed = []
-    monkeypatch.setattr(build, "forward_times", lambda runner, kv: timed.append(runner) or
-                        cost_probe.forward_times(runner, kv))
     eng = Engine(model_path=str(confident_dir), dtype="float32", max_total_tokens=8192,
                  speculative_algorithm="STANDALONE", speculative_draft_model_path=str(confident_dir),
-                 speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
-    sch = eng._scheduler
-    assert timed == [eng._target, sch.worker.drafter.runner]
-    assert sch.kv.unused() == sch.kv.capacity
-    times = cost_probe.forward_times(eng._target, sch.kv)
+                 speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+                 planner=timing(timed))
+    view = eng.debug
+    assert timed == [view.target, view.drafter.runner]
+    assert view.kv.unused() == view.kv.capacity
+    times = cost_probe.forward_times(view.target, view.kv)
     assert list(times) == list(cost_probe.ROWS) and min(times.values()) > 0
     # Output after the probe is what it was: the probe wrote no slot a request reads.
     params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     ps = standalone_prompts(2, seed=3, lo=6, hi=10)
     assert generate(eng, ps, params) == generate(Engine(model_path=str(confident_dir), dtype="float32"), ps, params)
+
+
+def test_a_new_draft_is_priced_by_its_own_forwards(confident_dir, target_dir):  # noqa: F811
+    """set_speculative to another draft model gets a new planner, whose step cost is timed on the new
+    draft's forwards: nothing learnt of one draft prices another."""
+    timed = []
+    standalone_on = dict(speculative_algorithm="STANDALONE", speculative_num_steps=3, speculative_eagle_topk=1,
+                         speculative_num_draft_tokens=4)
+    eng = Engine(model_path=str(confident_dir), dtype="float32", max_total_tokens=8192,
+                 speculative_draft_model_path=str(confident_dir), planner=timing(timed), **standalone_on)
+    first = eng.debug
+    eng.set_speculative(speculative_draft_model_path=str(target_dir), **standalone_on)
+    second = eng.debug
+    assert second.drafter is not first.drafter and second.planner is not first.planner
+    assert timed == [first.target, first.drafter.runner, second.target, second.drafter.runner]
+    assert second.planner.cost.catch_up(7) > 0              # the new draft's catch-up is priced
+    eng.set_speculative(speculative_algorithm=None)
+    assert eng.debug.planner.drafter is None and timed[-1] is first.target
 
 
 def test_acceptance_follows_the_verifications():
@@ -198,7 +215,7 @@ class RecordDrafts:
     def __init__(self, eng: Engine):
         self.steps = []
         self.sized = []             # sized steps: (evidence, draft sizes, drafts proposed) per request
-        worker = eng._scheduler.worker
+        worker = eng.debug.worker
         forward = worker.forward
 
         def recording(step):
@@ -213,28 +230,16 @@ class RecordDrafts:
         worker.forward = recording
 
 
-class Fixed:
-    """An acceptance estimate that does not move."""
-
-    def __init__(self, value: float):
-        self.value = value
-
-    def record(self, proposed: int, accepted: int) -> None:
-        pass
-
-
-def test_speculation_turns_off_as_the_batch_grows_and_on_again(confident_dir, monkeypatch):  # noqa: F811
+def test_speculation_turns_off_as_the_batch_grows_and_on_again(confident_dir):  # noqa: F811
     """With every request's acceptance at 0.5 and rows costing 0.4 of a one-row step each, drafting pays
     for one or two requests and not for three or more: it runs for a lone request, stops when eleven
     share the steps, and starts again as they finish (tries to draft again, which a fixed estimate
     cannot use, aside)."""
-    monkeypatch.setattr(scheduler_module, "Acceptance", lambda *args, **kwargs: Fixed(0.5))
-    monkeypatch.setattr(scheduler_module, "EXPLORE_EVERY", 10 ** 6)
     eng = Engine(model_path=str(confident_dir), dtype="float32", max_total_tokens=8192,
                  speculative_algorithm="STANDALONE", speculative_draft_model_path=str(confident_dir),
-                 speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
-    eng._scheduler.cost = fitted(0.4)
-    eng._scheduler.cost.observe = lambda *args: None          # the machine's timings aside
+                 speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+                 planner=planner(lambda: fitted(0.4), estimate=lambda start, decay: Fixed(0.5),
+                                 explore_every=10 ** 6))
     seen = RecordDrafts(eng)
     ps = standalone_prompts(12, seed=4, lo=8, hi=12)
     lens = [6] + [8 + 4 * i for i in range(11)]     # one request alone, then eleven that end one by one
@@ -254,14 +259,12 @@ def test_drafts_are_sized_by_the_evidence_they_rest_on(target, monkeypatch):
     """NGRAM sizes a draft by the acceptance of drafts from matches as long as its match: where rows
     cost 0.4 of a step, requests matching long contexts (drafts accepted 9 in 10) draft and the others
     (1 in 10) do not, in the same steps; nothing is drafted where nothing matches."""
-    eng = Engine(model_path=str(target), dtype="float32", max_total_tokens=8192, speculative_algorithm="NGRAM")
-    sch = eng._scheduler
-    sch.cost = fitted(0.4)
-    sch.cost.observe = lambda *args: None
-    sch.by_evidence.update({5: Fixed(0.9), 1: Fixed(0.1)})
+    eng = Engine(model_path=str(target), dtype="float32", max_total_tokens=8192, speculative_algorithm="NGRAM",
+                 planner=planner(lambda: fitted(0.4)))
+    eng.debug.planner.by_evidence.update({5: Fixed(0.9), 1: Fixed(0.1)})
     keys = {}                                       # the evidence of each request, the same every step
-    monkeypatch.setattr(type(sch.worker.drafter), "evidence",
-                        lambda self, req: keys.setdefault(req.rid, (5, 1, 0)[len(keys) % 3]))
+    monkeypatch.setattr(eng.debug.drafter, "evidence",
+                        lambda req: keys.setdefault(req.rid, (5, 1, 0)[len(keys) % 3]))
     seen = RecordDrafts(eng)
     eng.generate(input_ids=prompts(), sampling_params=GREEDY)
     full = [(evidence, drafts) for evidence, drafts, _ in seen.sized if len(drafts) == 5]
@@ -271,7 +274,7 @@ def test_drafts_are_sized_by_the_evidence_they_rest_on(target, monkeypatch):
     assert drafted[5] >= len(full) and drafted[1] == drafted[0] == 0
 
 
-def test_each_verification_counts_toward_the_estimate_of_its_evidence(target, monkeypatch):
+def test_each_verification_counts_toward_the_estimate_of_its_evidence(target):
     """Each verified draft is recorded once, in the estimate of the evidence it was sized by."""
     recorded = {}
 
@@ -280,8 +283,8 @@ def test_each_verification_counts_toward_the_estimate_of_its_evidence(target, mo
             recorded[id(self)] = recorded.get(id(self), 0) + proposed
             super().record(proposed, accepted)
 
-    monkeypatch.setattr(scheduler_module, "Acceptance", Counting)
-    eng = Engine(model_path=str(target), dtype="float32", max_total_tokens=8192, speculative_algorithm="NGRAM")
+    eng = Engine(model_path=str(target), dtype="float32", max_total_tokens=8192, speculative_algorithm="NGRAM",
+                 planner=planner(estimate=lambda start, decay: Counting(start, decay=decay or DECAY)))
     seen = RecordDrafts(eng)
     eng.generate(input_ids=prompts(), sampling_params=GREEDY)
     proposed = {}
@@ -289,20 +292,18 @@ def test_each_verification_counts_toward_the_estimate_of_its_evidence(target, mo
         for key, n in zip(evidence, drafted):
             proposed[key] = proposed.get(key, 0) + n
     assert proposed.get(0, 0) == 0 and sum(proposed.values()) > 0
-    estimates = eng._scheduler.by_evidence
+    estimates = eng.debug.planner.by_evidence
     assert {key: recorded.get(id(e), 0) for key, e in estimates.items()} == {k: n for k, n in proposed.items() if k}
 
 
-def test_a_draft_model_left_behind_tries_drafting_again(confident_dir, monkeypatch):  # noqa: F811
+def test_a_draft_model_left_behind_tries_drafting_again(confident_dir):  # noqa: F811
     """A STANDALONE request whose estimate keeps it off drafts again now and then, its draft model fed
     what it skipped first, where drafting well would pay: an estimate that fell low does not keep the
     request (nor the new requests that start from the average) off for good. Output stays plain's."""
-    monkeypatch.setattr(scheduler_module, "Acceptance", lambda *args, **kwargs: Fixed(0.01))
     eng = Engine(model_path=str(confident_dir), dtype="float32", max_total_tokens=8192,
                  speculative_algorithm="STANDALONE", speculative_draft_model_path=str(confident_dir),
-                 speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
-    eng._scheduler.cost = fitted(0.05)
-    eng._scheduler.cost.observe = lambda *args: None
+                 speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+                 planner=planner(lambda: fitted(0.05), estimate=lambda start, decay: Fixed(0.01)))
     seen = RecordDrafts(eng)
     ps = standalone_prompts(1, seed=4, lo=8, hi=12)
     params = {"temperature": 0, "max_new_tokens": 60, "ignore_eos": True}
@@ -313,11 +314,10 @@ def test_a_draft_model_left_behind_tries_drafting_again(confident_dir, monkeypat
 
 
 @pytest.fixture
-def random_sizes(monkeypatch):
-    """Draft sizes drawn at random per request and step (0 included), whatever the cost model says."""
+def random_sizes():
+    """A planner whose draft sizes are drawn at random per request and step (0 included)."""
     rng = random.Random(7)
-    monkeypatch.setattr(scheduler_module, "draft_sizes",
-                        lambda alphas, limit, cost, forced=(), extra=(): [rng.randint(0, limit) for _ in alphas])
+    return planner(sizes=lambda alphas, limit: [rng.randint(0, limit) for _ in alphas])
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -329,7 +329,7 @@ def test_lossless_with_sizes_changing_every_step(algo, target, tmp_path, random_
     expected = [[o["output_ids"] for o in plain.generate(input_ids=prompts(), sampling_params=p)]
                 for p in (GREEDY, seeded)]
     eng = Engine(speculative_algorithm=algo, speculative_num_steps=3, speculative_eagle_topk=2,
-                 speculative_num_draft_tokens=5, **kw)
+                 speculative_num_draft_tokens=5, planner=random_sizes, **kw)
     seen = RecordDrafts(eng)
     for params, want in zip((GREEDY, seeded), expected):
         outs = eng.generate(input_ids=prompts(), sampling_params=params)
@@ -345,7 +345,8 @@ def test_a_lagging_draft_catches_up_exactly(confident_dir, random_sizes, monkeyp
     monkeypatch.setattr(standalone, "CATCH_UP_CHUNK", 5)
     eng = Engine(model_path=str(confident_dir), dtype="float32", max_total_tokens=8192,
                  speculative_algorithm="STANDALONE", speculative_draft_model_path=str(confident_dir),
-                 speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+                 speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+                 planner=random_sizes)
     ps = standalone_prompts(4, seed=9, lo=6, hi=14)
     params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
     plain = Engine(model_path=str(confident_dir), dtype="float32")
@@ -354,10 +355,10 @@ def test_a_lagging_draft_catches_up_exactly(confident_dir, random_sizes, monkeyp
     again = [p + o["output_ids"][:30] + [7, 8] for p, o in zip(ps, first)]          # radix hits on lagged prefixes
     second = eng.generate(input_ids=again, sampling_params=params)
     assert [o["output_ids"] for o in second] == generate(plain, again, params)
-    drafter = eng._scheduler.worker.drafter
+    drafter = eng.debug.drafter
     assert not drafter.behind and not drafter.parked       # every finished request's state is gone
     # Every drafted token was accepted (a miss would pull the estimate down).
-    assert eng._scheduler.acceptance.value > 0.95
+    assert eng.debug.planner.across.value > 0.95
 
 
 def test_a_budget_keeps_the_best_drafts_of_the_search():

@@ -10,9 +10,12 @@ from typer.testing import CliRunner
 
 from engine.bench.datasets import Conversation
 from engine.bench.measure import PassResult, TurnResult, interleave_chunks
-from engine.bench.tune import Plan, describe, search_space, serve_command, serve_config, successive_halving
+from engine.bench.offline import OfflineBackend, plain_args, tree_args
+from engine.bench.tune import Plan, describe, label, search_space, serve_command, serve_config, successive_halving
 from engine.config import ServerArgs
+from engine.engine import Engine
 from spec_cli.main import app
+from tests.planning import untimed
 from tests.tiny import make_model
 
 NGRAM = ServerArgs(speculative_algorithm="NGRAM")
@@ -123,6 +126,31 @@ def test_serve_config_round_trips_and_drops_speculation_for_the_baseline(tmp_pat
     assert serve_command(config).startswith("spec serve --model-path m --dtype float32 ")
     plain = ServerArgs.from_dict(serve_config(user, None, 1))
     assert plain.speculative_algorithm is None and plain.dtype == "float32"
+
+
+# --- one engine, configurations in turn -----------------------------------------------------------
+
+def test_configurations_run_alike_in_any_order(tmp_path):
+    """spec tune switches one engine from configuration to configuration: with the step cost pinned,
+    what each produces (tokens, verifications, drafts accepted, steps) does not depend on which ran
+    before it."""
+    model = make_model(tmp_path / "model", "llama", max_pos=2048)
+    prompts = [Conversation(str(i), "c", (text,), i) for i, text in enumerate(
+        ("one two one two one two", "def add(a, b): return a + b", "the cat the cat the", "abc abc abc abc"))]
+    trees = [(1, 1, 2), None, (3, 1, 4), (3, 2, 5)]
+
+    def run(order):
+        eng = Engine(model_path=str(model), dtype="float32", max_total_tokens=4096, speculative_algorithm="NGRAM",
+                     planner=untimed)
+        base, results = eng.args, {}
+        for tree in order:
+            args = plain_args(base) if tree is None else tree_args(base, tree)
+            passed = OfflineBackend(eng, label(tree), args, concurrency=2, max_new_tokens=16,
+                                    temperature=0).run(prompts, lambda *_: None)
+            results[tree] = ([(t.output, t.verify_ct, t.accepted) for t in passed.turns], passed.decode_steps)
+        return results
+
+    assert run(trees) == run(trees[::-1])
 
 
 # --- end to end -------------------------------------------------------------------------------------

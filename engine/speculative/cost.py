@@ -6,7 +6,7 @@ its drafting add.
 A forward is memory-bound at a few rows (the weights are read once whatever R is) and compute-bound past
 a knee that depends on the model and the machine (on a CPU within a handful of rows; on a GPU far
 later), so no one line fits every R. Forwards of 1 to 32 rows are timed at start-up (cost_probe.py):
-that curve is the prior. The time of each row count the scheduler then observes is kept (decayed, as
+that curve is the prior. The time of each row count the planner then observes is kept (decayed, as
 contexts grow), and a step of R rows is priced by linear interpolation between the nearest ones seen;
 outside them, by the prior's curve scaled through the nearest one seen (a step carries host work that a
 bare forward does not). Without a measured curve (tensor parallelism, tests) the prior is a line, b / a

@@ -34,7 +34,7 @@ class Drafter:
 
     def evidence(self, req: Request) -> Optional[int]:
         """What this step's draft for the request rests on, where the drafter knows it before drafting: a
-        key under which drafts are accepted alike (the scheduler keeps an acceptance estimate per key);
+        key under which drafts are accepted alike (the planner keeps an acceptance estimate per key);
         0: there is nothing to draft; None: no such key (the request's own estimate serves)."""
         return None
 

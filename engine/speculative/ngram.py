@@ -115,7 +115,7 @@ class NgramDrafter(Drafter):
 
     def evidence(self, req: Request) -> int:
         """The length of the longest context of the request's text seen before (0: none): drafts from a
-        longer match are accepted far more often, and the scheduler sizes them by it."""
+        longer match are accepted far more often, and the planner sizes them by it."""
         self._learn(req)
         return self.cache.match(req.token_ids[max(0, req.seq_len - self.max_window):])[0]
 
