@@ -11,7 +11,8 @@ to raise.
 
 Data flows one way: schedule() builds a step from the requests, the worker runs it and returns a
 StepResult, apply(step, result) changes the requests; the worker never calls back. step() is that loop,
-one step at a time.
+one step at a time. What a decode step drafts is the planner's choice (speculative/planner.py): the
+scheduler asks it for the step's drafts and tells it what the step did.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ _RESERVE_TOKENS = 8
 _MAX_OVERTAKEN = 16
 # Prompts prefilled in pieces at the same time: a shorter long prompt need not wait for a longer one.
 _MAX_PARTIAL = 4
+
 Step = Union[PrefillStep, DecodeStep]
 
 
@@ -445,12 +447,9 @@ class Scheduler:
         return None
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        if req in self.waiting:
-            self.waiting.remove(req)
-        if req in self.prefilling:
-            self.prefilling.remove(req)
+        for queue in (self.running, self.waiting, self.prefilling):
+            if req in queue:
+                queue.remove(req)
         self._release_kv(req)
         try:
             req.text += req.detok.catch_up(req.token_ids)
