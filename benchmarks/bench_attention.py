@@ -175,10 +175,10 @@ def rest_of_step(batches: list[int], news: list[int], dtype: str, repeats: int) 
     from engine import Engine
 
     eng = Engine(model_path="smollm2-135m", dtype=dtype, max_total_tokens=4096, max_running_requests=8)
-    model, out = eng._target.model, {}
+    model, out = eng.debug.target.model, {}
     for b in batches:
         for n in news:
-            fb = make_batch(eng._kv.table, [0] * b, [0] * b, torch.zeros(b * n, dtype=torch.long),
+            fb = make_batch(eng.debug.kv.table, [0] * b, [0] * b, torch.zeros(b * n, dtype=torch.long),
                             torch.zeros(b * n, dtype=torch.long), [n] * b)
             fb.positions = torch.arange(b * n) % n + 100
 

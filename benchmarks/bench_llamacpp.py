@@ -151,7 +151,7 @@ def chain_batch(eng, n: int, cached: int = 512):
 
     from engine.forward_batch import make_batch
 
-    kv = eng._kv
+    kv = eng.debug.kv
     return make_batch(kv.table, [kv.pad_row], [cached], torch.zeros(n, dtype=torch.long),
                       torch.full((n,), kv.pad_slot, dtype=torch.long), [n])
 
@@ -167,7 +167,7 @@ def verify_cost(eng) -> float:
             for _ in range(12):
                 batch = chain_batch(eng, n)
                 t = time.perf_counter()
-                eng._target.forward(batch, all_logits=True, decode=True)     # as the worker runs both
+                eng.debug.target.forward(batch, all_logits=True, decode=True)     # as the worker runs both
                 times.append(time.perf_counter() - t)
         return statistics.median(times[2:])
 

@@ -40,7 +40,7 @@ def main() -> None:
 
     eng = Engine(model_path=args.model, num_threads=args.threads, log_level="warning",
                  speculative_algorithm="NGRAM", speculative_adaptive="off")
-    drafter, worker = eng._scheduler.worker.drafter, eng._scheduler.worker
+    drafter, worker = eng.debug.drafter, eng.debug.worker
     forward = worker.forward
     drafts = defaultdict(lambda: [0, 0, 0])         # match length -> [drafts, first accepted, accepted]
 

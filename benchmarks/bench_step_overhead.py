@@ -52,18 +52,15 @@ def _timed(fn, acc: list):
 
 
 def _models(eng) -> list:
-    """The target model, and a draft model where the algorithm has one. A measurement reaches inside
-    the engine; the older layout (runner / worker attributes) is read too, for --other-checkout."""
-    if hasattr(eng, "_target"):
-        drafter = eng._scheduler.worker.drafter
-        return [eng._target.model] + ([drafter.model] if getattr(drafter, "model", None) is not None else [])
-    draft = getattr(eng.worker, "model", None)
-    return [eng.runner.model] + ([draft] if draft is not None else [])
+    """The target model, and a draft model where the algorithm has one, read through `Engine.debug`
+    (so --other-checkout needs a checkout that has it)."""
+    view = eng.debug
+    draft = getattr(view.drafter, "model", None)
+    return [view.target.model] + ([draft] if draft is not None else [])
 
 
 def _decode_steps(eng) -> int:
-    stats = eng.stats() if callable(getattr(eng, "stats", None)) else eng.scheduler.stats
-    return stats["decode_steps"]
+    return eng.stats()["decode_steps"]
 
 
 def decode_step_times(eng, reqs, accs: list[list]) -> tuple[list[float], list[list[float]]]:
@@ -98,7 +95,7 @@ def measure(model: str, algo: str, batch: int, max_new: int, threads: int, tree:
     eng = Engine(model_path=model, dtype="float32", max_total_tokens=64 * 1024, max_running_requests=max(batch, 1),
                  context_length=4096, **kw)
     model_time, worker_time = [0.0], [0.0]
-    worker = eng._scheduler.worker if hasattr(eng, "_scheduler") else eng.worker
+    worker = eng.debug.worker
     worker.forward = _timed(worker.forward, worker_time)
     for m in _models(eng):
         m.forward = _timed(m.forward, model_time)

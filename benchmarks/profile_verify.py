@@ -68,7 +68,7 @@ def main() -> None:
                 spent.clear()
                 batch = chain_batch(eng, n, a.cached)
                 t = time.perf_counter()
-                eng._target.forward(batch, all_logits=True, decode=True)
+                eng.debug.target.forward(batch, all_logits=True, decode=True)
                 if i >= 3:
                     runs.append((time.perf_counter() - t, dict(spent)))
         total = statistics.median(r[0] for r in runs)

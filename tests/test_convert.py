@@ -110,7 +110,7 @@ def test_map_from_question_jsonl_serves_unchanged_output(target, plain, tmp_path
     draft = ckpt.save_eagle_repo(tmp_path / "eagle", *ckpt.eagle_tensors(target, seed=1))
     outs, verifies, eng = generate(target, "EAGLE", draft, batch, speculative_token_map=str(out))
     assert outs == expected and all(v > 0 for v in verifies)
-    assert eng._scheduler.worker.drafter.model.head.ids.tolist() == torch.load(out)
+    assert eng.debug.drafter.model.head.ids.tolist() == torch.load(out)
 
 
 def test_map_from_generations(target, tmp_path):
@@ -201,7 +201,7 @@ def test_token_map_becomes_the_eagle3_vocabulary(target, plain, layouts, tmp_pat
     batch, expected = plain
     outs, _, eng = generate(target, "EAGLE3", out, batch)
     assert outs == expected
-    assert eng._scheduler.worker.drafter.model.head.ids.tolist() == sorted(original)[::2]
+    assert eng.debug.drafter.model.head.ids.tolist() == sorted(original)[::2]
     # Each kept row is the original head's row for that token.
     from safetensors.torch import load_file
 

@@ -52,7 +52,7 @@ def test_greedy_decoding_matches_transformers(tmp_path):
 def test_router_stays_fp32_in_a_bf16_model(tmp_path):
     model_dir = make_deepseek_v3(tmp_path)
     eng = Engine(model_path=str(model_dir), dtype="bfloat16", max_total_tokens=256)
-    model = eng._target.model
+    model = eng.debug.target.model
     gate = model.model.layers[1].mlp.gate
     assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
     assert model.model.layers[1].mlp.shared_experts.down_proj.weight.dtype == torch.bfloat16

@@ -47,7 +47,7 @@ def plain(target):
 # ------------------------------------------------------------------------------------------------ loading
 @pytest.mark.parametrize("layout", ["repo", "sglang", "eagle3"])
 def test_layout_loads_as_published(plain, drafts, layout):
-    target_model = plain[0]._target.model
+    target_model = plain[0].debug.target.model
     algorithm = "EAGLE3" if layout == "eagle3" else "EAGLE"
     model = load_eagle_draft(algorithm, drafts[layout], target_model, max_positions=600,
                              dtype=torch.float32, device="cpu")
@@ -86,7 +86,7 @@ def test_eagle3_aux_layers():
 
 
 def test_bad_drafts_are_refused_clearly(plain, drafts, target, tmp_path):
-    target_model = plain[0]._target.model
+    target_model = plain[0].debug.target.model
 
     def load(algorithm, path):
         return load_eagle_draft(algorithm, path, target_model, max_positions=600, dtype=torch.float32, device="cpu")
@@ -196,7 +196,7 @@ class DenseDraft:
 
 
 def drafter_of(eng):
-    return eng._scheduler.worker.drafter
+    return eng.debug.drafter
 
 
 @pytest.mark.parametrize("layout,shape", [("EAGLE", CHAIN), ("EAGLE3", CHAIN), ("EAGLE", TREE), ("EAGLE3", TREE)])

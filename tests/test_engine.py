@@ -3,6 +3,9 @@ radix sharing, chunked prefill and preemption."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -192,11 +195,15 @@ def test_stop_conditions(llama_dir):
     assert out["output_ids"] == ids[:5] and out["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_eos_stops_unless_ignored(llama_dir):
-    eng = engine(llama_dir)
+def test_eos_stops_unless_ignored(llama_dir, tmp_path):
     p = prompts(1, seed=11)[0]
-    ids = eng.generate(input_ids=p, sampling_params=GREEDY)["output_ids"]
-    eng._scheduler.eos_ids = {ids[3]}          # pretend the 4th token is EOS
+    ids = engine(llama_dir).generate(input_ids=p, sampling_params=GREEDY)["output_ids"]
+    # The same model, whose generation_config.json lists the 4th token as an EOS beside its own.
+    shutil.copytree(llama_dir, tmp_path / "eos", dirs_exist_ok=True)
+    config = tmp_path / "eos" / "generation_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "eos_token_id": [1, ids[3]]}))
+    eng = engine(tmp_path / "eos")
+    assert eng.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] == ids
     out = eng.generate(input_ids=p, sampling_params={**GREEDY, "ignore_eos": False})
     assert out["output_ids"] == ids[:ids.index(ids[3]) + 1]
     assert out["meta_info"]["finish_reason"]["type"] == "stop"

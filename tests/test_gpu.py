@@ -83,7 +83,7 @@ def test_greedy_identical_on_cuda(algo, shape, mode, target, plain, tmp_path):
     assert [o["output_ids"] for o in outs] == plain[mode]
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
     if mode == "triton-graphs":
-        assert eng._target.graphs is not None and eng._target.graphs._graphs, "no CUDA graph was captured"
+        assert eng.debug.target.graphs is not None and eng.debug.target.graphs._graphs, "no CUDA graph was captured"
 
 
 # ---------------------------------------------------------------------------------------- CUDA graphs
@@ -93,7 +93,7 @@ def random_decode_batch(eng: Engine, batch: int, tokens: int, context: int, seed
     from engine.forward_batch import make_batch
 
     g = torch.Generator().manual_seed(seed)
-    kv, pool = eng._kv, eng._target.kv_pool
+    kv, pool = eng.debug.kv, eng.debug.target.kv_pool
     for buf in pool.k + pool.v:
         buf[1:kv.pad_slot].normal_(generator=torch.Generator(buf.device).manual_seed(seed))
     slots = torch.randperm(kv.pad_slot - 1, generator=g)[:batch * (context + tokens)] + 1
@@ -110,7 +110,7 @@ def random_decode_batch(eng: Engine, batch: int, tokens: int, context: int, seed
 @pytest.mark.parametrize("tokens", [1, 6], ids=["decode", "verify"])
 def test_graph_replay_equals_eager(tokens, target):
     eng = cuda_engine(target, **MODES["triton-graphs"])
-    runner = eng._target
+    runner = eng.debug.target
     graphs = runner.graphs
     with torch.inference_mode():
         for seed in (1, 2):     # the second replays the first's graph on new inputs

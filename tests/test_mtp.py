@@ -50,7 +50,7 @@ def expected(models):
 def test_target_loads_as_without_its_mtp_layer(models, expected, layout):
     batch, outputs = expected
     eng = engine(models[layout][1])
-    assert eng._target.model.num_layers == 2
+    assert eng.debug.target.model.num_layers == 2
     assert [o["output_ids"] for o in eng.generate(input_ids=batch, sampling_params=GREEDY)] == outputs[layout]
 
 
@@ -114,7 +114,7 @@ def test_draft_matches_plain_implementation(models, layout):
     draft logits and the greedy chain (the layer fed its own outputs) are the plain computation's."""
     base, mtp_dir = models[layout]
     eng = engine(mtp_dir, "MTP", chunked_prefill_size=8)
-    drafter = eng._scheduler.worker.drafter
+    drafter = eng.debug.drafter
     assert isinstance(drafter.model, MtpDraft) and drafter.capture_hidden == ()
     plain = PlainMtp(base, mtp_dir, layout)
     req = eng.make_request(prompts(1, seed=7)[0] + [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], SamplingParams(**GREEDY))
@@ -154,7 +154,7 @@ def test_separate_checkpoint_and_nextn_alias(models, expected, tmp_path, layout)
     base, mtp_dir = models[layout]
     draft = mtp_dir if layout == "mimo" else ckpt.save_nextn_export(tmp_path / "export", mtp_dir)
     eng = engine(base, "NEXTN", draft, TREE)
-    assert eng.args.speculative_algorithm == "MTP" and isinstance(eng._scheduler.worker.drafter.model, MtpDraft)
+    assert eng.args.speculative_algorithm == "MTP" and isinstance(eng.debug.drafter.model, MtpDraft)
     outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == outputs[layout]
     # The same layer as from the target's own checkpoint: the same drafts, so the same verify counts.
@@ -179,7 +179,7 @@ def test_eagle_without_a_draft_runs_the_targets_mtp_layers(models, expected):
     """SGLang's MiMo-7B-RL example: --speculative-algorithm EAGLE, steps 1, topk 1, 2 draft tokens, no draft."""
     batch, outputs = expected
     eng = engine(models["mimo"][1], "EAGLE", tree=(1, 1, 2))
-    assert eng.args.speculative_algorithm == "MTP" and isinstance(eng._scheduler.worker.drafter.model, MtpDraft)
+    assert eng.args.speculative_algorithm == "MTP" and isinstance(eng.debug.drafter.model, MtpDraft)
     outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == outputs["mimo"]
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
@@ -196,7 +196,7 @@ def test_target_without_mtp_layers_is_refused(models):
 
 def test_bad_mtp_checkpoints_are_refused(models, tmp_path):
     base, mtp_dir = models["nextn"]
-    target = engine(base)._target.model
+    target = engine(base).debug.target.model
 
     def load(path, own=False):
         return load_mtp_draft(path, target, own=own, max_positions=600, dtype=torch.float32, device="cpu")
@@ -231,7 +231,7 @@ def test_multi_layer_draft_step_k_runs_layer_k(tmp_path, layout):
     for exact, verifies in (((True, True, True), 8), ((True, True, False), 11), ((True, False, True), 16)):
         target = ckpt.save_mtp_target(tmp_path / "".join(map(str, map(int, exact))), base, layout, exact=exact)
         eng = engine(target, "MTP")
-        assert eng.args.enable_multi_layer_eagle and eng._scheduler.worker.drafter.model.num_layers == 3
+        assert eng.args.enable_multi_layer_eagle and eng.debug.drafter.model.num_layers == 3
         outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
         assert [o["output_ids"] for o in outs] == plain
         assert [o["meta_info"]["spec_verify_ct"] for o in outs] == [verifies] * 3, exact

@@ -254,4 +254,4 @@ def test_acceptance_on_text_seen_before(llama_dir):
     assert all(o["output_ids"] == first["output_ids"] for o in again)
     assert all(o["meta_info"]["spec_accept_length"] > 4 for o in again)
     assert eng.stats()["avg_spec_accept_length"] > 2
-    assert not eng._scheduler.worker.drafter.learned       # every finished request's state is gone
+    assert not eng.debug.drafter.learned       # every finished request's state is gone

@@ -39,7 +39,7 @@ def test_engine_prepacks_cpu_weights_and_decodes_the_same(tmp_path, dtype):
     if not can_prepack("cpu", getattr(torch, dtype)):
         pytest.skip(f"no oneDNN {dtype} on this CPU")
     eng = Engine(model_path=str(make_model(tmp_path, "llama")), dtype=dtype, max_total_tokens=2048)
-    model = eng._target.model
+    model = eng.debug.target.model
     assert isinstance(model.model.layers[0].mlp.down_proj, PrepackedLinear) and model.packed_head is not None
     prompts = [[5, 6, 7, 8, 9], [11, 3, 250, 17, 4, 4, 90]]
     params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}

@@ -102,7 +102,7 @@ def test_w8a8_keeps_the_embedding_and_head_as_int8_only(tie, tmp_path):
     drafts) are the ones the logits are computed with."""
     model_dir = make_model(tmp_path / "m", "llama", seed=4, tie=tie)
     eng = tiny_engine(model_dir, quantization="w8a8_int8")
-    model = eng._target.model
+    model = eng.debug.target.model
     assert isinstance(model.model.embed_tokens, Int8Embedding) and isinstance(model.quant_head, W8A8Linear)
     assert not hasattr(model, "lm_head") or tie
     assert not any(p.numel() >= 320 * 64 for p in model.parameters())
@@ -159,23 +159,23 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     engines = {kw: Engine(model_path=str(path), max_total_tokens=2048, **dict([kw])) for kw in
                (("quantization", "auto"), ("quantization", "w8a8_int8"), ("quantization", "w4a8"),
                 ("quantization", "int4"), ("dtype", "float32"))}
-    kinds = {kw: {type(m).__name__ for m in e._target.model.modules()} for kw, e in engines.items()}
+    kinds = {kw: {type(m).__name__ for m in e.debug.target.model.modules()} for kw, e in engines.items()}
     auto = "w4a8" if cpu_w4a8.kernel_name() == "avx512-vnni" else "int4"
     assert kinds[("quantization", "auto")] == kinds[("quantization", auto)]
-    int4_layer = engines[("quantization", "int4")]._target.model.model.layers[0]
+    int4_layer = engines[("quantization", "int4")].debug.target.model.model.layers[0]
     assert type(int4_layer.self_attn.qkv_proj).__name__ == type(int4_layer.mlp.down_proj).__name__ == "Int4Linear"
-    w4a8_layer = engines[("quantization", "w4a8")]._target.model.model.layers[0]
+    w4a8_layer = engines[("quantization", "w4a8")].debug.target.model.model.layers[0]
     assert type(w4a8_layer.self_attn.qkv_proj) is W4A8Linear and type(w4a8_layer.mlp.down_proj) is Int8GroupLinear
     assert torch.equal(w4a8_layer.mlp.down_proj.dequantized(), weights["model.layers.0.mlp.down_proj.weight"])
-    assert type(engines[("quantization", "w4a8")]._target.model.quant_head) is Int8GroupLinear
+    assert type(engines[("quantization", "w4a8")].debug.target.model.quant_head) is Int8GroupLinear
     assert "W8A8Linear" in kinds[("quantization", "w8a8_int8")]
-    assert engines[("quantization", "w8a8_int8")]._target.model.quant_head is not None
+    assert engines[("quantization", "w8a8_int8")].debug.target.model.quant_head is not None
     assert "Int8Embedding" in kinds[("quantization", "w8a8_int8")]
     assert not {"W8A8Linear", "Int4Linear"} & kinds[("dtype", "float32")]
     ids = tokenizer("the quick brown fox").input_ids
     logits = {}
     for kw, eng in engines.items():
-        kv, runner = eng._kv, eng._target
+        kv, runner = eng.debug.kv, eng.debug.target
         batch = make_batch(kv.table, [0], [0], ids, kv.alloc(len(ids)), [len(ids)])
         with torch.inference_mode():
             logits[kw] = runner.forward(batch, all_logits=True).logits.float()
@@ -186,9 +186,9 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     # only acceptance); the output is the w4a8 target's.
     spec = Engine(model_path=str(path), max_total_tokens=2048, quantization="w4a8", speculative_algorithm="STANDALONE",
                   speculative_draft_model_path=str(path), speculative_draft_model_quantization="w4a8")
-    draft = spec._scheduler.worker.drafter.model
+    draft = spec.debug.drafter.model
     assert type(draft.model.layers[0].mlp.down_proj) is W4A8Linear and type(draft.quant_head) is W4A8Linear
-    assert type(spec._target.model.model.layers[0].mlp.down_proj) is Int8GroupLinear
+    assert type(spec.debug.target.model.model.layers[0].mlp.down_proj) is Int8GroupLinear
     plain = engines[("quantization", "w4a8")].generate(input_ids=[ids], sampling_params=GREEDY)
     assert spec.generate(input_ids=[ids], sampling_params=GREEDY)[0]["output_ids"] == plain[0]["output_ids"]
 
@@ -222,7 +222,7 @@ def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tie, tmp_path, monk
 
     target = Engine(model_path=str(path), max_total_tokens=2048, quantization="w4a8")
     reference = Engine(model_path=str(path), max_total_tokens=2048, dtype="float32")
-    served = target._target.model
+    served = target.debug.target.model
     assert type(served.model.layers[1].mlp.down_proj) is Q6KLinear
     o_proj = served.model.layers[1].self_attn.o_proj
     assert type(o_proj) is Q5KLinear and torch.equal(o_proj.dequantized(), weights["model.layers.1.self_attn.o_proj.weight"])
@@ -242,7 +242,7 @@ def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tie, tmp_path, monk
     ids = tokenizer("the quick brown fox").input_ids
     logits = []
     for eng in (target, reference):
-        kv, runner = eng._kv, eng._target
+        kv, runner = eng.debug.kv, eng.debug.target
         batch = make_batch(kv.table, [0], [0], ids, kv.alloc(len(ids)), [len(ids)])
         with torch.inference_mode():
             logits.append(runner.forward(batch, all_logits=True).logits.float())
@@ -250,7 +250,7 @@ def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tie, tmp_path, monk
 
     spec = Engine(model_path=str(path), max_total_tokens=2048, quantization="w4a8", speculative_algorithm="STANDALONE",
                   speculative_draft_model_path=str(path), speculative_draft_model_quantization="w4a8")
-    draft = spec._scheduler.worker.drafter.model
+    draft = spec.debug.drafter.model
     assert type(draft.model.layers[1].mlp.down_proj) is W4A8Linear and type(draft.quant_head) is W4A8Linear
     # rounded from the file's Q6_K blocks as from their float copy, which loading no longer reads
     down = weights["model.layers.1.mlp.down_proj.weight"]
@@ -271,7 +271,7 @@ def test_draft_quantization_quantizes_the_draft_and_stays_lossless(kind, algo, t
     eng = tiny_engine(target, algo, tree=(3, 2, 6), speculative_draft_model_quantization=kind,
                       **draft_setup(algo, target, tmp_path))
     assert [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)] == expected
-    draft = eng._scheduler.worker.drafter.model
+    draft = eng.debug.drafter.model
     layer = draft.model.layers[0] if algo == "STANDALONE" else draft.midlayer
     assert type(layer.mlp.gate_up_proj) is (W4A8Linear if kind == "w4a8" else Int4Linear)
     assert eng.stats()["spec_verify_ct"] > 0
@@ -286,7 +286,7 @@ def test_auto_runs_a_head_in_w4a8_beside_a_w4a8_target(target_kind, head_kind, w
     require(cpu_w4a8._kernel)
     eng = tiny_engine(target, "EAGLE3", quantization=target_kind, speculative_draft_model_quantization=head_kind,
                       **draft_setup("EAGLE3", target, tmp_path))
-    draft = eng._scheduler.worker.drafter.model
+    draft = eng.debug.drafter.model
     layer = draft.midlayer
     assert (type(layer.mlp.gate_up_proj) is W4A8Linear) == w4a8_head
     assert (type(layer.self_attn.qkv_proj) is W4A8Linear) == w4a8_head

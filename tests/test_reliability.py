@@ -34,7 +34,7 @@ def build(algo, target, tmp_path) -> Engine:
 
 
 def target_model(eng: Engine):
-    return eng._target.model
+    return eng.debug.target.model
 
 
 @pytest.mark.parametrize("algo", [None] + ALGOS)
@@ -46,7 +46,7 @@ def test_a_failing_request_fails_alone(algo, phase, target, tmp_path, monkeypatc
     for r in reqs:
         eng.add_request(r)
     bad = reqs[2]
-    worker = eng._scheduler.worker
+    worker = eng.debug.worker
     if phase == "detokenize":           # the request's detokenizer breaks after a few tokens
         step, calls = bad.detok.step, []
 

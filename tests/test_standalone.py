@@ -223,7 +223,7 @@ def test_token_map_restricts_drafts_keeps_output(tmp_path, target_dir, draft_dir
     torch.save(hot.tolist(), path)
     eng = engine(target_dir, draft_dir, (3, 2, 6), speculative_token_map=str(path))
     drafted = []
-    drafter = eng._scheduler.worker.drafter
+    drafter = eng.debug.drafter
     draft = drafter.draft
 
     def recording(step):
@@ -254,7 +254,7 @@ def test_token_map_rows_run_as_the_drafts_head_would(tmp_path, target_dir, draft
                  speculative_adaptive="off", speculative_draft_model_path=str(draft_dir),
                  speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=4,
                  speculative_draft_model_quantization=quantization, speculative_token_map=str(path))
-    head = eng._scheduler.worker.drafter.model.draft_head
+    head = eng.debug.drafter.model.draft_head
     assert (type(head.matmul) is W4A8Linear) == (quantization == "w4a8")
     ps = prompts(3, seed=5)
     out = generate(eng, ps)
@@ -282,7 +282,7 @@ def test_one_draft_forward_a_step_with_requests_joining(target_dir, draft_dir):
     ref = [o["output_ids"] for o in engine(target_dir, max_running_requests=2).generate(input_ids=ps,
                                                                                         sampling_params=params)]
     eng = engine(target_dir, draft_dir, (1, 2, 3), max_running_requests=2)
-    drafter, calls = eng._scheduler.worker.drafter, {"feed": 0, "draft": 0, "after_prefill": 0}
+    drafter, calls = eng.debug.drafter, {"feed": 0, "draft": 0, "after_prefill": 0}
 
     def counted(name):
         fn = getattr(drafter, name)
@@ -315,7 +315,7 @@ def test_set_speculative_switches_without_reloading(target_dir, draft_dir, plain
     draft model is reused, and a switch while requests run is refused."""
     ps, ref = plain_outputs
     eng = engine(target_dir, draft_dir, (3, 1, 4))
-    model = eng._scheduler.worker.drafter.model
+    model = eng.debug.drafter.model
     for tree in [(2, 2, 4), None, (3, 1, 4)]:
         if tree is None:
             eng.set_speculative(speculative_algorithm=None)
@@ -325,7 +325,7 @@ def test_set_speculative_switches_without_reloading(target_dir, draft_dir, plain
                                             "speculative_num_draft_tokens"), tree)))
         assert generate(eng, ps) == ref
         assert ("spec_verify_ct" in eng.stats()) == (tree is not None)
-        assert tree is None or eng._scheduler.worker.drafter.model is model
+        assert tree is None or eng.debug.drafter.model is model
     eng.add_request(eng.make_request(ps[0], SamplingParams(**GREEDY)))
     with pytest.raises(ConfigError, match="between requests"):
         eng.set_speculative(speculative_algorithm=None)

@@ -119,7 +119,7 @@ def test_quantized_weights_are_quantized_after_sharding(kind, target):
     args = dict(input_ids=prompts(), sampling_params={**GREEDY, "max_new_tokens": 1}, return_logprob=True,
                 top_logprobs_num=5)
     with engine(target, quantization=kind) as one, engine(target, tp=2, quantization=kind) as two:
-        layer = two._target.model.model.layers[0]
+        layer = two.debug.target.model.model.layers[0]
         assert type(layer.mlp.down_proj).__name__ == type(layer.self_attn.qkv_proj).__name__ == CLASSES[kind]
         for got, want in zip(two.generate(**args), one.generate(**args)):
             top, ref = got["meta_info"]["output_top_logprobs"][0], want["meta_info"]["output_top_logprobs"][0]
@@ -149,7 +149,7 @@ def test_gguf_groups_are_cut_by_rank(six_bits, tmp_path, monkeypatch):
                 top_logprobs_num=5)
     with Engine(model_path=str(path), max_total_tokens=2048) as one, \
             Engine(model_path=str(path), max_total_tokens=2048, tp_size=2) as two:
-        model = two._target.model
+        model = two.debug.target.model
         layer = model.model.layers[1]
         kinds = {type(m).__name__ for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj)}
         assert kinds == {CLASSES["w4a8" if cpu_w4a8.kernel_name() == "avx512-vnni" else "int4"]}
