@@ -152,10 +152,9 @@ def build_engine_parts(args: ServerArgs, planners: Optional[PlannerFactory] = No
     except torch.OutOfMemoryError:
         raise budget.allocation_failed(device_memory(device)[0]) from None
 
-    # Model drafters verify full trees, one shape per batch size; n-gram trees vary and run eagerly.
-    model_draft = draft is not None
-    attach(args, runner, kv, device, max_running, worker.num_draft_tokens if model_draft else 1,
-           tree_masks=model_draft and args.speculative_eagle_topk > 1)
+    # Model drafters verify trees of the sizes the draft sizing chooses; n-gram trees vary and run eagerly.
+    attach(args, runner, kv, device, max_running, worker.num_draft_tokens if draft is not None else 1,
+           worker.capture_hidden)
     scheduler = Scheduler(args, kv, worker, tokenizer, eos, args.context_length, max_running, device,
                           planners or timed_planner)
     log.info("model %s: %s%s, %.0f MiB of weights%s; KV pool %d tokens (%.0f MiB)", model_dir, dtype,

@@ -123,7 +123,9 @@ class ServerArgs:
         "use a batch-invariant C kernel reading the cache in place instead, so that speculative output "
         "equals plain decoding's bit for bit; built at start-up). triton: paged-attention kernels "
         "that read the cache in place (decode, extend and tree verification), on a CUDA GPU; needed for "
-        "CUDA graphs. flashinfer: accepted as SGLang spells it, refused until it lands. auto: torch.",
+        "CUDA graphs. flashinfer: accepted as SGLang spells it, refused until it lands. auto (the fast path): "
+        "triton with CUDA graphs on a GPU (torch, said at start-up, where triton is not installed), torch on the "
+        "CPU. Pass torch on a GPU to debug against the reference: it decodes eagerly.",
         group="Memory and scheduling", choices=("auto", "torch", "triton", "flashinfer")))
     enable_deterministic_inference: bool = field(default=False, metadata=opt(
         "SGLang's flag, on by default on the CPU: prompts are prefilled through the same batch-invariant "
@@ -244,11 +246,15 @@ class ServerArgs:
     torch_compile_max_bs: int = field(default=32, metadata=opt(
         "Largest batch size run compiled; larger decode batches run eagerly.", group="Compilation"))
     cuda_graph_max_bs: Optional[int] = field(default=None, metadata=opt(
-        "Largest batch size captured in CUDA graphs (GPU with --attention-backend triton; no effect on the "
-        "CPU, said at start-up). Lower it on out-of-memory errors.",
+        "Largest batch size captured in CUDA graphs (GPU with --attention-backend triton or auto; no effect on "
+        "the CPU, said at start-up). Every decode and verify shape up to it (each batch bucket, each tree size "
+        "the draft sizing can choose) is captured at start-up, never while serving; a step of another shape "
+        "runs eagerly. Default: --max-running-requests, at most 160. Lower it on out-of-memory errors or to "
+        "start faster.",
         group="Compilation"))
     disable_cuda_graph: bool = field(default=False, metadata=opt(
-        "Do not capture CUDA graphs (no effect on the CPU, said at start-up).", group="Compilation"))
+        "Do not capture CUDA graphs: every step runs eagerly, for debugging (no effect on the CPU, said at "
+        "start-up).", group="Compilation"))
 
     # --- Parallelism (docs/distributed.md) ---------------------------------------------------------
     tp_size: int = field(default=1, metadata=opt(
@@ -450,9 +456,13 @@ class ServerArgs:
     # ---------------------------------------------------------------------------------------------
     def resolved(self, model_config, device: str) -> "ServerArgs":
         """A copy with the choices that depend on the target model (its transformers config) and the
-        device made, before any weight loads: the context length, EAGLE without a draft (the target's own
-        MTP layers, as SGLang does), and the auto tree."""
+        device made, before any weight loads: the attention backend, the context length, EAGLE without a
+        draft (the target's own MTP layers, as SGLang does), and the auto tree."""
         changes: dict[str, Any] = {}
+        if self.attention_backend == "auto":        # drafters build their backends from the resolved name
+            from engine.attention import resolve_backend
+
+            changes["attention_backend"] = resolve_backend("auto", device)
         if self.context_length is None:
             changes["context_length"] = model_max_positions(model_config)
         layers = getattr(model_config, "num_nextn_predict_layers", None) or 0

@@ -1,14 +1,16 @@
 """Decode and verify forwards at a few fixed shapes: CUDA graphs on a GPU, compiled graphs on a CPU.
 
-A decode step feeds every running request the same number of tokens (1, or a full draft tree), so its
-shape is set by the batch size alone. The batch is padded to the next bucket (1, 2, 4, 8, then steps
-of 8, up to the largest size captured) with dummy requests: they read the all-zero padding row of the
-request-to-token table and write their K/V to the pool's padding slot, so they touch no real request.
+A decode step feeds every running request the same number of tokens (1, or a tree of one size), so its
+shape is set by the batch size and the tree's. The batch is padded to the next bucket (1, 2, 4, 8, then
+steps of 8, up to the largest size captured) with dummy requests: they read the all-zero padding row of
+the request-to-token table and write their K/V to the pool's padding slot, so they touch no real request.
 Their outputs are dropped.
 
-- CUDA: the first batch of a bucket is captured into a CUDA graph together with its attention metadata
-  (the Triton backend's: its shapes are set by the bucket, not by the context lengths); later batches
-  are copied into the captured input tensors and the graph is replayed.
+- CUDA: every shape a step can take (step_shapes, at every bucket) is captured at start-up into a CUDA
+  graph together with its attention metadata (the Triton backend's: its shapes are set by the bucket,
+  not by the context lengths); a batch is copied into the captured input tensors and the graph replayed.
+  Nothing is captured while serving: a step of another shape (requests drafting different tree sizes,
+  Predicted Output chains) runs eagerly.
 - CPU, with --enable-torch-compile: `fn` is the forward compiled with dynamic shapes, one graph for
   every batch size (sizes 0 and 1 aside) and context length, so no padding is needed (buckets of one).
 The tests run the padding and a stand-in for capture and replay on the CPU.
@@ -17,12 +19,15 @@ The tests run the padding and a stand-in for capture and replay on the CPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import time
 from typing import Callable, Optional
 
 import torch
 
 from engine.forward_batch import ForwardBatch
+from engine.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -57,26 +62,55 @@ def pad_batch(batch: ForwardBatch, size: int, pad_row: int, pad_slot: int) -> Fo
         extra_lens=None if batch.extra_lens is None else batch.extra_lens + [e] * extra, masks=masks, attn=None)
 
 
-def cuda_capture(fn: Callable, batch: ForwardBatch):
-    """Capture fn(batch) into a CUDA graph: (replay, the outputs replay writes)."""
-    fn(batch)                                        # warm-up: kernels compiled, memory sized
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(batch)
-    graph.replay()          # capturing records the kernels without running them: this batch's results
-    return graph.replay, out
+def step_shapes(draft_tokens: int, topk: int, sized: bool, nodes_as_rows: bool) -> list[tuple[int, bool]]:
+    """(tokens a request, tree masks) of every uniform decode step a worker sends: plain steps, and the
+    verification of trees of `draft_tokens` nodes (1: no model drafter). Sized drafts
+    (--speculative-adaptive) verify every size from one draft token to the whole tree. The search's trees
+    carry masks whenever topk > 1 (draft_tree_search.py), whatever shape they came out. Trees verified as
+    decode rows (--speculative-attention-mode decode) make rows of ragged extra keys, never one of these."""
+    if draft_tokens <= 1 or nodes_as_rows:
+        return [(1, False)]
+    return [(1, False)] + [(n, topk > 1) for n in (range(2, draft_tokens + 1) if sized else [draft_tokens])]
+
+
+class CudaGraph:
+    """fn(batch) captured into a CUDA graph; calling it with a batch of the same shape copies the batch
+    into the captured inputs, replays and returns the captured outputs. Graphs share one memory `pool`:
+    they replay one at a time, so their intermediates can overlap."""
+
+    def __init__(self, fn: Callable, batch: ForwardBatch, pool=None):
+        # The graph reads these tensors by address at every replay: its own copy of the batch keeps
+        # them alive when the caller prepares its batch again (a new attn frees the old metadata).
+        self.fn, self.static = fn, dataclasses.replace(batch)
+        self.out = self._capture(pool)
+
+    def _capture(self, pool):
+        self.fn(self.static)                                 # warm-up: kernels compiled, memory sized
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            return self.fn(self.static)
+
+    def _replay(self) -> None:
+        self.graph.replay()
+
+    def __call__(self, batch: ForwardBatch):
+        _copy_into(self.static, batch)
+        self._replay()
+        return self.out
 
 
 class StepGraphs:
-    """Runs `fn(batch)` (a model forward returning (hidden, captured)) at bucketed batch sizes; with
-    `capture` (cuda_capture on a GPU), each shape is captured once and replayed on its static inputs."""
+    """Runs `fn(batch)` (a model forward returning (hidden, captured)) at bucketed batch sizes. With
+    `capture` (a CudaGraph maker on a GPU), each shape is captured once and replayed on its static
+    inputs; once sealed (start-up's captures done), a shape not captured runs eagerly instead."""
 
     def __init__(self, fn: Callable, prepare: Callable[[ForwardBatch], None], max_bs: int, pad_row: int,
                  pad_slot: int, capture: Optional[Callable] = None, pad: bool = True):
         self.fn, self.prepare, self.capture = fn, prepare, capture
         self.sizes = buckets(max_bs, pad)
         self.pad_row, self.pad_slot = pad_row, pad_slot
-        self._graphs: dict[tuple, tuple] = {}     # shape key -> (replay, static batch, outputs)
+        self._graphs: dict[tuple, Callable] = {}     # shape key -> the captured graph
+        self.sealed = False
 
     def bucket(self, batch: ForwardBatch) -> Optional[int]:
         """The bucket for a decode-shaped batch (every request the same new tokens and extra keys,
@@ -85,7 +119,12 @@ class StepGraphs:
         uniform = all(k == n for k in batch.extend_lens) and all(k == e for k in (batch.extra_lens or [0]))
         if not uniform or batch.batch_size > self.sizes[-1]:
             return None
-        return next(s for s in self.sizes if s >= batch.batch_size)
+        size = next(s for s in self.sizes if s >= batch.batch_size)
+        if self.capture and self.sealed and _key(batch, size) not in self._graphs:
+            log.debug("no graph captured for %d requests x %d tokens (masks %s, hidden %s): runs eagerly", size, n,
+                      batch.masks is not None, batch.capture_hidden)
+            return None
+        return size
 
     def run(self, batch: ForwardBatch, size: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Hidden states (and captured ones) of the batch's real tokens, computed at bucket `size`."""
@@ -96,20 +135,18 @@ class StepGraphs:
         return hidden[:real], {i: h[:real] for i, h in captured.items()}
 
     def _replay(self, batch: ForwardBatch):
-        key = (batch.batch_size, batch.extend_lens[0], (batch.extra_lens or [0])[0], batch.masks is not None,
-               batch.capture_hidden)
+        key = _key(batch, batch.batch_size)
         if key not in self._graphs:
-            log.info("capturing a graph for %d requests x %d tokens", batch.batch_size, batch.extend_lens[0])
-            # The graph reads these tensors by address at every replay: its own copy of the batch keeps
-            # them alive when the caller prepares its batch again (a new attn frees the old metadata).
-            static = dataclasses.replace(batch)
-            replay, out = self.capture(self.fn, static)
-            self._graphs[key] = (replay, static, out)
-            return out
-        replay, static, out = self._graphs[key]
-        _copy_into(static, batch)
-        replay()
-        return out
+            if self.sealed:
+                raise RuntimeError(f"no graph captured for the shape {key}: StepGraphs.bucket runs it eagerly")
+            log.debug("capturing a graph for %d requests x %d tokens", batch.batch_size, batch.extend_lens[0])
+            self._graphs[key] = self.capture(self.fn, batch)
+        return self._graphs[key](batch)
+
+
+def _key(batch: ForwardBatch, size: int) -> tuple:
+    """What sets a captured graph's shapes: requests, tokens and extra keys a request, masks, captured states."""
+    return (size, batch.extend_lens[0], (batch.extra_lens or [0])[0], batch.masks is not None, batch.capture_hidden)
 
 
 def _copy_into(static: ForwardBatch, batch: ForwardBatch) -> None:
@@ -126,10 +163,12 @@ def _copy_into(static: ForwardBatch, batch: ForwardBatch) -> None:
             assert dst == src, f"captured {field.name}={dst!r}, batch has {src!r}: not one shape"
 
 
-def attach(args, runner, kv, device: str, max_running: int, draft_tokens: int, tree_masks: bool) -> None:
+def attach(args, runner, kv, device: str, max_running: int, draft_tokens: int,
+           capture_hidden: tuple[int, ...] = ()) -> None:
     """Give the target's runner its StepGraphs when the flags and the hardware allow, and warm every
-    bucket up (compiling or capturing it) with dummy requests before the first real one. Flags that
-    cannot act here say so in one line."""
+    bucket of every step shape up (compiling or capturing it) with dummy requests before the first real
+    one; CUDA graphs are then sealed. `draft_tokens`: the tree a model drafter verifies (1: none);
+    `capture_hidden`: the hidden states the worker's steps return. Flags that cannot act here say so."""
     cuda = device.startswith("cuda")
     if not cuda and (args.cuda_graph_max_bs is not None or args.disable_cuda_graph):
         log.info("--cuda-graph-max-bs / --disable-cuda-graph have no effect on the CPU (no CUDA graphs here)")
@@ -142,22 +181,46 @@ def attach(args, runner, kv, device: str, max_running: int, draft_tokens: int, t
         return
     fn = _compiled(runner, cuda) if args.enable_torch_compile else runner.run_model
     max_bs = (args.cuda_graph_max_bs or min(max_running, 160)) if graphs_on_gpu else args.torch_compile_max_bs
+    capture = functools.partial(CudaGraph, pool=torch.cuda.graph_pool_handle()) if graphs_on_gpu else None
     runner.graphs = StepGraphs(fn, runner.backend.prepare, min(max_bs, max_running), kv.pad_row, kv.pad_slot,
-                               cuda_capture if graphs_on_gpu else None, pad=graphs_on_gpu)
-    shapes = [(1, None)] + ([(draft_tokens, tree_masks)] if draft_tokens > 1 else [])
+                               capture, pad=graphs_on_gpu)
+    shapes = step_shapes(draft_tokens, args.speculative_eagle_topk or 1, args.speculative_adaptive == "on",
+                         args.speculative_attention_mode == "decode")
+    if not graphs_on_gpu:
+        shapes = _compiled_shapes(shapes)
     # Every bucket is captured; a dynamic compile needs batch sizes 1 and 2 (1 is specialised).
     sizes = runner.graphs.sizes if graphs_on_gpu else runner.graphs.sizes[:2]
-    what = "capturing CUDA graphs" if graphs_on_gpu else "compiling (torch.compile)"
-    runs = [(size, n, masks) for n, masks in shapes for size in sizes]
-    for i, (size, n, masks) in enumerate(runs, 1):
-        log.info("%s for decode steps: %d of %d (%d requests x %d tokens)", what, i, len(runs), size, n)
+    warm_up(runner.graphs, kv, shapes, sizes, capture_hidden,
+            "capturing CUDA graphs" if graphs_on_gpu else "compiling (torch.compile)")
+    runner.graphs.sealed = True
+
+
+def _compiled_shapes(shapes: list[tuple[int, bool]]) -> list[tuple[int, bool]]:
+    """The shapes a dynamic compile tells apart: one token a request (specialised), and trees with
+    masks and without (the largest of each)."""
+    largest = {masks: (n, masks) for n, masks in sorted(shapes) if n > 1}
+    return [(1, False), *largest.values()]
+
+
+def warm_up(graphs: StepGraphs, kv, shapes: list[tuple[int, bool]], sizes: list[int],
+            capture_hidden: tuple[int, ...], what: str) -> None:
+    """Run every (size, shape) once on dummy requests, the largest first: graphs sharing a memory pool
+    then fit in what the largest sized."""
+    runs = sorted(((size, n, masks) for n, masks in shapes for size in sizes), key=lambda r: -r[0] * r[1])
+    log.info("%s for decode steps: %d (batch sizes %s; tokens a request %s)", what, len(runs),
+             ", ".join(map(str, sizes)), ", ".join(f"{n}{' tree' if masks else ''}" for n, masks in shapes))
+    start = time.perf_counter()
+    for size, n, masks in progress(runs, what, len(runs)):
+        log.debug("%s: %d requests x %d tokens%s", what, size, n, " (tree masks)" if masks else "")
         # As in a real step: slots from the allocator (outside inference mode), the rest made inside.
         slots = torch.full((size * n,), kv.pad_slot, dtype=torch.long)
         with torch.inference_mode():
-            runner.graphs.run(_dummy_batch(kv, size, n, masks, slots), size)
+            graphs.run(_dummy_batch(kv, size, n, masks, slots, capture_hidden), size)
+    log.info("%s: done in %.1f s", what, time.perf_counter() - start)
 
 
-def _dummy_batch(kv, size: int, n: int, masks: Optional[bool], slots: torch.Tensor) -> ForwardBatch:
+def _dummy_batch(kv, size: int, n: int, masks: Optional[bool], slots: torch.Tensor,
+                 capture_hidden: tuple[int, ...] = ()) -> ForwardBatch:
     """`size` requests of n tokens on the padding row and slot: a batch of nothing but padding. Its
     cached prefix (the padding row's zero slots) is a few tokens long, as a real one is: a length of 1
     would be compiled as a special case."""
@@ -166,7 +229,7 @@ def _dummy_batch(kv, size: int, n: int, masks: Optional[bool], slots: torch.Tens
     device = kv.table.device
     tree = torch.ones((size, n, n), dtype=torch.bool, device=device).tril() if masks else None
     return make_batch(kv.table, [kv.pad_row] * size, [8] * size, torch.zeros(size * n, dtype=torch.long), slots,
-                      [n] * size, masks=tree)
+                      [n] * size, masks=tree, capture_hidden=capture_hidden)
 
 
 def _compiled(runner, cuda: bool) -> Callable:

@@ -46,7 +46,8 @@ class Worker:
         return self.num_draft_tokens + (self.drafter.scratch_slots if self.drafter else 0)
 
     @property
-    def _capture_hidden(self) -> tuple[int, ...]:
+    def capture_hidden(self) -> tuple[int, ...]:
+        """Hidden states every forward returns: those asked for, and those the drafter reads."""
         return tuple(sorted(set(self.capture) | set(self.drafter.capture_hidden if self.drafter else ())))
 
     def forward(self, step) -> StepResult:
@@ -61,7 +62,7 @@ class Worker:
     def _prefill(self, step: PrefillStep) -> StepResult:
         reqs, lens = step.reqs, step.lens
         batch = make_batch(self.table, [r.row for r in reqs], [r.kv_len for r in reqs], step.input_ids(), step.slots,
-                           lens, capture_hidden=self._capture_hidden)
+                           lens, capture_hidden=self.capture_hidden)
         done = [i for i in range(len(reqs)) if step.completes(i)]
         ends = torch.tensor(lens).cumsum(0) - 1
         out = self.target.forward(batch, ends[done].to(self.table.device))
@@ -116,7 +117,7 @@ class Worker:
             batch = make_batch(self.table, [r.row for r in reqs], [r.kv_len for r in reqs],
                                flat(tree.tokens), flat(slots[:, :tree.width]), tree.sizes,
                                positions=flat(kv[:, None] + depth), masks=None if tree.is_chain else tree.ancestors,
-                               capture_hidden=self._capture_hidden)
+                               capture_hidden=self.capture_hidden)
         # Grammar masks are walked on the host along the trees: a host copy of the drafted trees, in
         # steps with a constrained request only, taken before the forward so that the walk overlaps it.
         grammar_trees = (tree.tokens.tolist(), tree.parents.tolist()) if tree.width > 1 and any(
@@ -185,7 +186,7 @@ class Worker:
         return make_batch(self.table, [reqs[b].row for b in node_req], [reqs[b].kv_len for b in node_req],
                           tree.tokens[valid], slots[:, :N][valid], [1] * len(node_req),
                           positions=(to_device([r.kv_len for r in reqs], slots.device)[:, None] + depth)[valid],
-                          extra_slots=extra, extra_lens=depth[valid].tolist(), capture_hidden=self._capture_hidden)
+                          extra_slots=extra, extra_lens=depth[valid].tolist(), capture_hidden=self.capture_hidden)
 
     def _captured(self, out: ForwardOutput, rows: torch.Tensor, lens: Sequence[int], reqs, argmax: torch.Tensor) -> list:
         """Per request, the committed positions' states: (first position, captured states [n, sum of

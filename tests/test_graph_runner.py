@@ -1,16 +1,20 @@
 """The bucketing, padding and replay of decode steps (engine/graph_runner.py), checked on the CPU: the
 padded batch run eagerly, and a stand-in for CUDA graph capture that replays on the captured (static)
-inputs, so every input a step needs must be copied into them. Outputs stay exactly plain decoding's."""
+inputs, so every input a step needs must be copied into them. Outputs stay exactly plain decoding's.
+Start-up captures every shape a step takes, and serving captures none; `auto` picks the fast path."""
 
 from __future__ import annotations
 
 import gc
+import logging
 import weakref
 
 import pytest
 import torch
 
-from engine.graph_runner import StepGraphs, _dummy_batch, buckets
+from engine.attention import resolve_backend
+from engine.config import ServerArgs
+from engine.graph_runner import CudaGraph, StepGraphs, _dummy_batch, _key, buckets, step_shapes, warm_up
 from tests.test_speculative_lossless import ALGOS, draft_setup
 from tests.tiny import make_model, random_prompts, tiny_engine
 
@@ -21,18 +25,18 @@ def test_buckets():
     assert buckets(32) == [1, 2, 4, 8, 16, 24, 32] and buckets(5) == [1, 2, 4, 5] and buckets(1) == [1]
 
 
-def replaying_capture(fn, batch):
+class ReplayingGraph(CudaGraph):
     """What a CUDA graph does, on the CPU: replay runs fn on the captured batch's tensors and writes
     the results into the captured outputs."""
-    out = fn(batch)
 
-    def replay():
-        hidden, captured = fn(batch)
-        out[0].copy_(hidden)
+    def _capture(self, pool):
+        return self.fn(self.static)
+
+    def _replay(self) -> None:
+        hidden, captured = self.fn(self.static)
+        self.out[0].copy_(hidden)
         for i, h in captured.items():
-            out[1][i].copy_(h)
-
-    return replay, out
+            self.out[1][i].copy_(h)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +49,7 @@ def target(tmp_path_factory):
 @pytest.mark.parametrize("algo, capture", [
     pytest.param(algo, capture, id=f"{algo}-{'replayed' if capture else 'padded'}",
                  marks=[pytest.mark.slow] if capture and algo else [])
-    for capture in (None, replaying_capture) for algo in [None] + [a for a in ALGOS if a != "NGRAM"]])
+    for capture in (None, ReplayingGraph) for algo in [None] + [a for a in ALGOS if a != "NGRAM"]])
 def test_bucketed_decode_is_lossless(algo, capture, target, tmp_path):
     prompts = random_prompts(5, seed=4)
     spec = {} if algo is None else draft_setup(algo, target, tmp_path)
@@ -90,7 +94,7 @@ def test_captured_inputs_outlive_the_callers_batch(target):
     pytest.importorskip("triton")
     eng = tiny_engine(target, attention_backend="triton")
     runner, kv = eng._target, eng._kv
-    graphs = StepGraphs(runner.run_model, runner.backend.prepare, 4, kv.pad_row, kv.pad_slot, replaying_capture)
+    graphs = StepGraphs(runner.run_model, runner.backend.prepare, 4, kv.pad_row, kv.pad_slot, ReplayingGraph)
     with torch.inference_mode():
         batch = _dummy_batch(kv, 4, 1, None, torch.full((4,), kv.pad_slot, dtype=torch.long))
         graphs.run(batch, 4)                                  # a full bucket: captured on this batch
@@ -100,3 +104,96 @@ def test_captured_inputs_outlive_the_callers_batch(target):
         gc.collect()
         assert read and all(r() is not None for r in read)
         graphs.run(_dummy_batch(kv, 4, 1, None, torch.full((4,), kv.pad_slot, dtype=torch.long)), 4)   # replays
+
+
+def test_step_shapes_are_every_tree_size_the_sizing_can_choose():
+    plain = [(1, False)]
+    assert step_shapes(1, 1, True, False) == plain                                         # no model drafter
+    assert step_shapes(4, 1, False, False) == plain + [(4, False)]                         # a whole chain
+    assert step_shapes(4, 1, True, False) == plain + [(2, False), (3, False), (4, False)]
+    assert step_shapes(8, 4, True, False) == plain + [(n, True) for n in range(2, 9)]      # (5, 4, 8) sized
+    assert step_shapes(8, 4, False, False) == plain + [(8, True)]
+    assert step_shapes(8, 4, True, True) == plain                                          # nodes as decode rows
+
+
+class EagerGraph:
+    """A stand-in capture that records what is captured and runs the forward on the batch it is given
+    (the torch backend's metadata varies with the context: the shape's coverage is what is checked)."""
+
+    captured: list = []
+
+    def __init__(self, fn, batch):
+        self.fn = fn
+        EagerGraph.captured.append(_key(batch, batch.batch_size))
+
+    def __call__(self, batch):
+        return self.fn(batch)
+
+
+@pytest.mark.parametrize("algo, adaptive", [("STANDALONE", "on"), ("EAGLE3", "on"), ("EAGLE3", "off")])
+def test_start_up_captures_every_shape_a_step_takes_and_serving_none(algo, adaptive, target, tmp_path):
+    """Sized drafts (STANDALONE drafting with the target itself; EAGLE-3 with a random head, whose steps
+    return the hidden states the head reads) and whole trees: every uniform decode or verify step of up
+    to --cuda-graph-max-bs requests finds a graph captured at start-up, and none is captured after. The
+    sizes chosen depend on timings: whole trees (off) make sure verify steps run."""
+    spec = {"speculative_draft_model_path": str(target)} if algo == "STANDALONE" else draft_setup(algo, target, tmp_path)
+    eng = tiny_engine(target, algo, tree=(3, 2, 6), speculative_adaptive=adaptive, **spec)
+    runner, kv, worker = eng._target, eng._kv, eng._scheduler.worker
+    graphs = runner.graphs = StepGraphs(runner.run_model, runner.backend.prepare, 4, kv.pad_row, kv.pad_slot,
+                                        EagerGraph)
+    EagerGraph.captured = []
+    warm_up(graphs, kv, step_shapes(6, 2, adaptive == "on", False), graphs.sizes, worker.capture_hidden, "capturing")
+    graphs.sealed = True
+    at_start = list(EagerGraph.captured)
+    seen = []
+    bucket = graphs.bucket
+    graphs.bucket = lambda batch: seen.append(batch) or bucket(batch)
+    eng.generate(input_ids=random_prompts(4, seed=5), sampling_params=GREEDY)
+    eng.generate(input_ids=random_prompts(1, seed=6), sampling_params={**GREEDY, "max_new_tokens": 24})
+    assert EagerGraph.captured == at_start, "a graph was captured while serving"
+    uniform = [b for b in seen if len(set(b.extend_lens)) == 1 and b.extra_lens is None]
+    assert adaptive == "on" or any(b.extend_lens[0] > 1 for b in uniform), "no verify step: the test checks nothing"
+    missing = {_key(b, bucket_size(graphs, b)) for b in uniform} - set(at_start)
+    assert not missing, f"steps of shapes not captured at start-up: {missing}"
+
+
+def bucket_size(graphs: StepGraphs, batch) -> int:
+    return next(s for s in graphs.sizes if s >= batch.batch_size)
+
+
+def test_an_uncaptured_shape_runs_eagerly_once_sealed(target, caplog):
+    eng = tiny_engine(target)
+    runner, kv = eng._target, eng._kv
+    graphs = StepGraphs(runner.run_model, runner.backend.prepare, 4, kv.pad_row, kv.pad_slot, EagerGraph)
+    graphs.sealed = True
+    with torch.inference_mode(), caplog.at_level(logging.DEBUG, logger="engine.graph_runner"):
+        batch = _dummy_batch(kv, 3, 2, None, torch.full((6,), kv.pad_slot, dtype=torch.long))
+        assert graphs.bucket(batch) is None
+    assert "runs eagerly" in caplog.text
+
+
+def test_auto_backend_is_triton_with_graphs_on_cuda_and_torch_on_the_cpu(monkeypatch, caplog):
+    """Pure logic: resolved for a CUDA device without one."""
+    import spec_kernels.paged_attention as paged
+
+    monkeypatch.setattr(paged, "available", lambda: True)
+    assert resolve_backend("auto", "cuda") == resolve_backend("auto", "cuda:1") == "triton"
+    assert resolve_backend("auto", "cpu") == "torch"
+    assert resolve_backend("torch", "cuda") == "torch" and resolve_backend("triton", "cpu") == "triton"
+    config = make_config()
+    args = ServerArgs(cuda_graph_max_bs=8)
+    assert args.resolved(config, "cuda").attention_backend == "triton"
+    assert not args.resolved(config, "cuda").disable_cuda_graph
+    assert args.resolved(config, "cpu").attention_backend == "torch"
+    assert ServerArgs(attention_backend="torch").resolved(config, "cuda").attention_backend == "torch"
+    monkeypatch.setattr(paged, "available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="engine.attention"):
+        assert resolve_backend("auto", "cuda") == "torch"
+    assert "triton is not installed" in caplog.text
+
+
+def make_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=128, vocab_size=320, max_position_embeddings=512)

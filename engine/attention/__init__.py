@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 from engine.attention.base import AttentionBackend
 from engine.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def resolve_backend(name: str, device: str) -> str:
+    """The backend `name` stands for on `device`: `auto` is the fast path there, Triton's paged kernels on
+    CUDA (their metadata has the bucket's shape, so decode steps replay from CUDA graphs) and torch on the
+    CPU (its batch-invariant C kernel). Without triton, CUDA falls back to torch, said once."""
+    if name != "auto":
+        return name
+    if not device.startswith("cuda"):
+        return "torch"
+    from spec_kernels.paged_attention import available
+
+    if available():
+        return "triton"
+    log.warning("--attention-backend auto: triton is not installed, so attention runs on the torch backend and "
+                "decode steps without CUDA graphs (pip install triton, or spec's [gpu] extra, for the fast path)")
+    return "torch"
 
 
 def create_backend(name: str, device: str, kv_pool, deterministic: bool = False, draft: bool = False
@@ -14,7 +34,7 @@ def create_backend(name: str, device: str, kv_pool, deterministic: bool = False,
     its own); `deterministic` (--enable-deterministic-inference): prefill batch-invariant too. A `draft`
     model's forwards of a few tokens per request (catch-up on accepted tokens, tree frontiers) attend
     through the CPU kernel, which reads the cache in place, where the target's prefill gathers it for SDPA."""
-    if name in ("auto", "torch"):
+    if resolve_backend(name, device) == "torch":
         from engine.attention.torch_backend import DRAFT_KEY_LIST_QUERIES, TorchAttentionBackend
 
         return TorchAttentionBackend(kv_pool, batch_invariant_prefill=deterministic,
