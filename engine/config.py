@@ -86,8 +86,12 @@ class ServerArgs:
         " lm_head; 8 tokens cost about what 1 does. int4: weight-only groups of 32 in torch's kernel, several "
         "times slower for 8 tokens. none: the checkpoint's own weights. auto: for a GGUF file on the CPU (unless "
         "--dtype float32 asks for the exact dequantized reference) w4a8 where the CPU has AVX-512 VNNI; elsewhere"
-        " w8a8_int8 where the MLP projections have 2M weights or more, int4 below; none otherwise.",
-        choices=("auto", "none", "int4", "w8a8_int8", "w4a8")))
+        " w8a8_int8 where the MLP projections have 2M weights or more, int4 below; none otherwise. fp8 (one CUDA "
+        "GPU): decoder weights rounded to e4m3 with a scale per output channel, times activations quantized per "
+        "token, in torch._scaled_mm (compute capability 8.9+; weight-only before). An FP8 checkpoint "
+        "(quant_method fp8) is served as stored on one CUDA GPU by auto, dequantized on a CPU, under tensor "
+        "parallelism and with none.",
+        choices=("auto", "none", "int4", "w8a8_int8", "w4a8", "fp8")))
     device: str = field(default="auto", metadata=opt(
         "Where to run: auto picks cuda when available, else cpu.", choices=("auto", "cpu", "cuda")))
     context_length: Optional[int] = field(default=None, metadata=opt(
@@ -413,6 +417,9 @@ class ServerArgs:
         if self.dp_size > 1 and self.nnodes > 1:
             raise ConfigError("--dp-size runs replicas on this machine; across machines run one `spec serve` per "
                               "machine and put sglang-router in front of them (docs/distributed.md).")
+        if self.tp_size > 1 and self.quantization == "fp8":
+            raise ConfigError("--quantization fp8 cannot be used with --tp-size > 1 yet: FP8 layers are not sharded. "
+                              "Drop one of them (an FP8 checkpoint loads dequantized under tensor parallelism).")
         if self.tp_size > 1 and self.speculative_token_map:
             raise ConfigError("--speculative-token-map cannot be used with --tp-size > 1 yet: an FR-Spec map picks rows "
                               "of the whole lm_head, which tensor parallelism splits over the ranks. Drop one of them.")

@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.errors import ConfigError, ModelLoadError
 from engine.forward_batch import ForwardBatch
+from engine.loader.fp8_quant import checkpoint_of
 from engine.memory.kv_pool import KVPool
 from engine.models import model_class
 from engine.models.prepack import can_prepack, native_bf16
@@ -60,6 +61,8 @@ def resolve_quantization(name: str, model_dir, device: str, dtype: str, config=N
     from engine.models.quant import KINDS
     from spec_kernels import cpu_w4a8
 
+    if name == "fp8" or (name == "auto" and checkpoint_of(model_dir) is not None):
+        return _fp8(name, model_dir, device)
     if name in KINDS:
         if device != "cpu":
             raise ConfigError(f"--quantization {name} runs on the CPU only so far (CPU int8/int4 kernels); "
@@ -79,6 +82,22 @@ def resolve_quantization(name: str, model_dir, device: str, dtype: str, config=N
     return "w8a8_int8" if size >= _W8A8_MIN_WEIGHTS and torch.backends.mkldnn.is_available() else "int4"
 
 
+def _fp8(name: str, model_dir, device: str) -> Optional[str]:
+    """FP8 e4m3 layers (engine/models/fp8.py) on CUDA: an FP8 checkpoint's as stored, or a float one's
+    rounded (--quantization fp8). An FP8 checkpoint elsewhere (a CPU, tensor parallelism) and under
+    --quantization none is dequantized while loading (load_model)."""
+    from engine.distributed import group as tp
+
+    where = "a CPU" if device != "cuda" else "tensor parallelism" if tp.building() is not None else None
+    if name == "fp8" and where:
+        raise ConfigError(f"--quantization fp8 runs on one CUDA GPU: FP8 GEMMs (torch._scaled_mm) need compute "
+                          f"capability 8.9 or later (older cards multiply weight-only), and FP8 layers are not sharded "
+                          f"for tensor parallelism. On {where} leave it out"
+                          + (" (an FP8 checkpoint loads dequantized)." if checkpoint_of(model_dir) else
+                             ", or on a CPU pick w4a8, w8a8_int8 or int4."))
+    return None if where else "fp8"
+
+
 def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions: int,
                prepack: bool = True, quantization: Optional[str] = None, draft: bool = False) -> nn.Module:
     """Build the target architecture on `device` and load its weights, quantized as `quantization`
@@ -90,6 +109,7 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
     from engine.distributed.sharding import local_config, local_groups
     from engine.loader import iter_weights
     from engine.loader.gguf_convert import gguf_groups
+    from engine.models.fp8 import describe as fp8_paths, fp8_sinks
     from engine.models.quant import (BESIDE_GROUPS, FROM_GROUPS, install_gguf_groups, quantize_while_loading,
                                      release_freed_memory)
 
@@ -106,14 +126,25 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
     provided = install_gguf_groups(model, local_groups(groups), quantization, draft) if groups else set()
     # A draft's GGUF layers stored above 4 bits are rounded to its kind too (quant.DRAFT_HEADS says why).
     beside = quantization if draft else BESIDE_GROUPS.get(quantization)
-    sinks = quantize_while_loading(model, beside if groups else quantization, draft) if quantization else {}
+    fp8 = checkpoint_of(model_dir)
+    if quantization == "fp8":
+        sinks = fp8_sinks(model, online=fp8 is None)
+    else:
+        sinks = quantize_while_loading(model, beside if groups else quantization, draft) if quantization else {}
+        if fp8 is not None:
+            log.info("%s: FP8 checkpoint (%s) dequantized to %s while loading (FP8 layers run on one CUDA GPU, "
+                     "unless --quantization none)", model_dir, fp8.describe(), dtype)
     try:
-        model.load_weights(iter_weights(model_dir, select=lambda name: name not in provided), sinks)
+        model.load_weights(iter_weights(model_dir, select=lambda name: name not in provided,
+                                        keep_fp8=quantization == "fp8"), sinks)
     except KeyError as exc:
         kind = (getattr(config, "architectures", None) or [config.model_type])[0]
         raise ModelLoadError(f"{model_dir}: weights do not match the {kind} config: {exc.args[0]}. "
                              "Pass a complete checkpoint.") from None
     release_freed_memory()
+    if quantization == "fp8":
+        log.info("%s: FP8 layers (%s): %s", model_dir, fp8.describe() if fp8 else "rounded per output channel",
+                 fp8_paths(model))
     model.eval()
     model.weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     if prepack and can_prepack(device, dtype):

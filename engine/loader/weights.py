@@ -45,14 +45,28 @@ def _model_type(model_dir: Path) -> Optional[str]:
         return None         # AutoConfig reports what is wrong
 
 
-def iter_weights(model_dir: Path, select: Optional[Callable[[str], bool]] = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(model_dir: Path, select: Optional[Callable[[str], bool]] = None,
+                 keep_fp8: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor of the checkpoint (or those whose name `select` accepts),
     named and typed as stored; a converted GGUF's quantized tensors (gguf_convert.gguf_groups) come
-    dequantized to float32, as GGUF computes them.
+    dequantized to float32, as GGUF computes them, and so do an FP8 checkpoint's e4m3 weights (times their
+    scales, which are not yielded; fp8_quant.paired), or with `keep_fp8` as fp8_quant.Fp8Weight.
 
     One tensor at a time (safetensors are memory-mapped), so the caller can cast and place each
     without holding a second copy of the model; tensors not selected are not read.
     """
+    from engine.loader import fp8_quant
+
+    checkpoint = fp8_quant.checkpoint_of(model_dir)
+    if checkpoint is None:
+        yield from _iter_stored(model_dir, select)
+        return
+    # A scale is read with its weight.
+    chosen = select and (lambda name: select(fp8_quant.weight_name(name)))
+    yield from fp8_quant.paired(_iter_stored(model_dir, chosen), checkpoint, keep_fp8)
+
+
+def _iter_stored(model_dir: Path, select: Optional[Callable[[str], bool]]) -> Iterator[tuple[str, torch.Tensor]]:
     from engine.loader.gguf_convert import gguf_groups
     from engine.loader.gguf_quant import dequantize
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.errors import ModelLoadError
+from engine.loader.fp8_quant import fp8_checkpoint
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 
@@ -22,11 +23,7 @@ MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": 
 
 
 def model_class(config, source: str):
-    quantized = getattr(config, "quantization_config", None)
-    if quantized:
-        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
-        raise ModelLoadError(f"{source} holds {method}-quantized weights; spec runs unquantized (bf16, fp16 or "
-                             "fp32) checkpoints only. Pass the model's unquantized release.")
+    fp8_checkpoint(getattr(config, "quantization_config", None), source)     # FP8 is read, the rest refused
     archs = getattr(config, "architectures", None) or []
     for arch in archs:
         if arch in ARCHITECTURES:

@@ -17,6 +17,7 @@ from engine.attention.base import AttentionBackend
 from engine.distributed import group as tp
 from engine.distributed.sharding import local_weights
 from engine.forward_batch import ForwardBatch
+from engine.loader.fp8_quant import cat_rows
 from engine.models import fused_decode
 from engine.models.prepack import PrepackedLinear, prepack_linears
 from spec_kernels import cpu_elementwise
@@ -290,8 +291,9 @@ _FUSED = {  # part name -> (fused name, order of the parts)
 
 
 def fuse_weights(weights: Iterable[tuple[str, torch.Tensor]], pending: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """Concatenate q/k/v (and gate/up) weights and biases as soon as all parts of one have arrived.
-    Parts whose group never completes (DeepSeek's lone q_proj) come last, as they are."""
+    """Concatenate q/k/v (and gate/up) weights and biases as soon as all parts of one have arrived (an
+    FP8 checkpoint's with their scales). Parts whose group never completes (DeepSeek's lone q_proj) come
+    last, as they are."""
     for name, tensor in weights:
         parts = name.split(".")
         part = parts[-2] if len(parts) >= 2 else ""
@@ -306,7 +308,7 @@ def fuse_weights(weights: Iterable[tuple[str, torch.Tensor]], pending: dict) -> 
         del tensor
         if len(group) == len(order):
             del pending[key]
-            yield key, torch.cat([group.pop(p)[1] for p in order], dim=0)
+            yield key, cat_rows([group.pop(p)[1] for p in order])
     for group in pending.values():
         yield from group.values()
     pending.clear()
