@@ -7,6 +7,8 @@ TRITON_INTERPRET=0), deselected from the default run and skipped without CUDA.
   reads the inputs it is replayed with.
 - The Triton paged-attention kernel, compiled, against its torch reference.
 - One host synchronisation per decode step (torch.cuda's sync debug mode counts them).
+- FP8 layers (--quantization fp8, a block FP8 checkpoint): lossless relative to the FP8 target, in torch's
+  FP8 GEMM where the card and torch's CUDA have it.
 - Tensor parallelism over two GPUs, where there are two.
 """
 
@@ -226,6 +228,38 @@ def test_one_host_sync_per_decode_step(algo, mode, target, tmp_path):
     counts = syncs_per_decode_step(eng)
     worst = max(counts, key=lambda c: sum(c.values()))
     assert sum(worst.values()) <= 1, f"{[sum(c.values()) for c in counts]} syncs per step; worst step's: {dict(worst)}"
+
+
+# ---------------------------------------------------------------------------------------- FP8
+@pytest.fixture(scope="module")
+def aligned_target(tmp_path_factory):
+    """Every layer 128-aligned, so that FP8 block scales reach torch's blockwise GEMM too."""
+    return make_model(tmp_path_factory.mktemp("aligned"), "llama", hidden=256, seed=8)
+
+
+@pytest.mark.parametrize("weights", ["online", "block-checkpoint"])
+@pytest.mark.parametrize("algo", ["EAGLE3", "NGRAM"])
+def test_fp8_greedy_identical_on_cuda(algo, weights, aligned_target, tmp_path, caplog):
+    """--quantization fp8 (a float checkpoint rounded per channel) and a block FP8 checkpoint as stored:
+    speculative greedy output equals plain decoding's on the FP8 target as served, and on compute
+    capability 8.9+ the layers multiply in torch's FP8 GEMM."""
+    import logging
+
+    from tests.test_fp8 import save_fp8_checkpoint
+
+    model = aligned_target if weights == "online" else save_fp8_checkpoint(aligned_target, tmp_path / "fp8", (128, 128))[0]
+    kw = {"quantization": "fp8", **MODES["triton-graphs"]}
+    with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+        expected = greedy(cuda_engine(model, **kw), prompts())
+    capability, cuda = torch.cuda.get_device_capability(), tuple(map(int, torch.version.cuda.split(".")))
+    # Row-wise scales from Ada on; torch's blockwise GEMM on Hopper with CUDA 12.9+.
+    in_gemm = capability >= (8, 9) if weights == "online" else capability == (9, 0) and cuda >= (12, 9)
+    if in_gemm:
+        assert "8 scaled_mm" in caplog.text, caplog.text
+    setup = draft_setup(algo, aligned_target, tmp_path)
+    outs = cuda_engine(model, algo, SHAPES["chain"], **kw, **setup).generate(input_ids=prompts(), sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == expected
+    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
 
 
 # ---------------------------------------------------------------------------------------- tensor parallel
