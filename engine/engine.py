@@ -70,7 +70,7 @@ class Engine:
 
         args = server_args or ServerArgs.from_dict(kwargs)
         # Tensor parallelism (engine/distributed/): rank 0 leads, its machine's other ranks are started here.
-        self._tp = join(args)
+        self._tp = join(args, Engine)
         try:
             with tp_group.sharded(self._tp is not None):
                 parts = build_engine_parts(args, planner)

@@ -3,6 +3,7 @@
 `spec serve` and `Engine(...)` are rank 0, in their own process: `join` spawns the machine's other ranks
 (multiprocessing's spawn method: fresh interpreters, as CUDA requires), every rank joins the group
 (group.py) and builds the same engine at its own sizes; the others then follow rank 0 (mirror.py).
+The caller names the engine class a rank builds, so that this module needs none of the engine's.
 On further machines (--node-rank > 0) `serve_node` spawns that machine's ranks and waits for them.
 
 A rank that fails to start, or dies, stops everything with a message that names it, never a hang:
@@ -23,7 +24,7 @@ import socket
 import sys
 import threading
 from multiprocessing.connection import Connection, wait
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -35,9 +36,14 @@ from engine.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def join(args: ServerArgs):
+# What a rank builds: engine.engine.Engine (passed in by whoever starts ranks; built as Engine(server_args=...)).
+EngineClass = Callable[..., Any]
+
+
+def join(args: ServerArgs, engine_class: EngineClass):
     """This process's part in tensor parallelism: None at --tp-size 1; a Follower in a rank that
-    `_rank_main` started; otherwise rank 0's Leader, its machine's other ranks started and joined."""
+    `_rank_main` started; otherwise rank 0's Leader, its machine's other ranks started (each building
+    an `engine_class`) and joined."""
     joined = group.joined()
     if joined is not None and joined.rank != 0:
         return Follower(joined)
@@ -53,7 +59,7 @@ def join(args: ServerArgs):
     device = _device(args)
     addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
     _set_threads(args, device)
-    ranks = LocalRanks(args, addr, range(1, args.ranks_per_node))
+    ranks = LocalRanks(args, addr, range(1, args.ranks_per_node), engine_class)
     try:
         group.init(0, args.tp_size, addr, device, args.dist_timeout, failed=lambda: ranks.dead)
     except BaseException:
@@ -63,15 +69,16 @@ def join(args: ServerArgs):
 
 
 class LocalRanks:
-    """This machine's ranks `ranks`, each in a spawned process, watched by a thread."""
+    """This machine's ranks `ranks`, each in a spawned process building an `engine_class`, watched by a
+    thread."""
 
-    def __init__(self, args: ServerArgs, addr: str, ranks: range):
+    def __init__(self, args: ServerArgs, addr: str, ranks: range, engine_class: EngineClass):
         context = multiprocessing.get_context("spawn")
         self.children: list[tuple[int, multiprocessing.Process, Connection]] = []
         for rank in ranks:
             reader, writer = context.Pipe(duplex=False)
-            proc = context.Process(target=_rank_main, args=(args, rank, addr, writer), name=f"spec-tp-rank-{rank}",
-                                   daemon=True)
+            proc = context.Process(target=_rank_main, args=(args, rank, addr, writer, engine_class),
+                                   name=f"spec-tp-rank-{rank}", daemon=True)
             proc.start()
             writer.close()
             self.children.append((rank, proc, reader))
@@ -120,7 +127,7 @@ class LocalRanks:
                 proc.join(STOP_S)
 
 
-def _rank_main(args: ServerArgs, rank: int, addr: str, report: Connection) -> None:
+def _rank_main(args: ServerArgs, rank: int, addr: str, report: Connection, engine_class: EngineClass) -> None:
     """A spawned rank: join the group, build the engine, tell the parent it started (or why not), follow."""
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
@@ -130,9 +137,7 @@ def _rank_main(args: ServerArgs, rank: int, addr: str, report: Connection) -> No
         if device == "cuda":
             torch.cuda.set_device(rank % args.ranks_per_node)
         group.init(rank, args.tp_size, addr, device, args.dist_timeout)
-        from engine.engine import Engine
-
-        engine = Engine(server_args=args)
+        engine = engine_class(server_args=args)
     except BaseException as exc:   # noqa: BLE001 - whatever stops a rank is reported, then it exits
         report.send(" ".join(str(exc).split()) or type(exc).__name__)
         sys.exit(1)
@@ -145,10 +150,10 @@ def _rank_main(args: ServerArgs, rank: int, addr: str, report: Connection) -> No
     group.destroy()
 
 
-def serve_node(args: ServerArgs) -> int:
+def serve_node(args: ServerArgs, engine_class: EngineClass) -> int:
     """`spec serve --node-rank K` (K > 0): this machine's ranks, until they exit; returns the exit status."""
     first = args.node_rank * args.ranks_per_node
-    ranks = LocalRanks(args, args.dist_init_addr, range(first, first + args.ranks_per_node))
+    ranks = LocalRanks(args, args.dist_init_addr, range(first, first + args.ranks_per_node), engine_class)
     print(f"spec serve: node {args.node_rank} runs ranks {first}-{first + args.ranks_per_node - 1}, following rank 0 "
           f"at {args.dist_init_addr}", flush=True)
     done = threading.Event()

@@ -66,32 +66,11 @@ def plan(model: nn.Module, h: torch.Tensor, rope, batch: ForwardBatch, backend) 
         return None
     fused = _built.get(model)
     if fused is None or (fused is not False and fused.kv_pool is not backend.kv_pool):
-        runnable = _check(model) and cpu_decoder.library() is not None
+        runnable = model.fusable_decode() and cpu_decoder.library() is not None
         fused = _built[model] = FusedLayers(model, backend.kv_pool) if runnable else False
     if fused is False:
         return None
     return fused, fused.step(h, rope, batch)
-
-
-def _check(model: nn.Module) -> bool:
-    from engine.models.llama import MLP, Attention, DecoderLayer, RMSNorm
-    from engine.models.quant import MixedLinear, W4A8Linear
-
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not layers:
-        return False
-    for layer in layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        if not (type(layer) is DecoderLayer and type(attention) is Attention and type(mlp) is MLP
-                and layer.tp is None and not attention.qk_norm):
-            return False
-        linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(m, (W4A8Linear, MixedLinear)) for m in linears):
-            return False
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if not all(type(n) is RMSNorm and n.weight.dtype == torch.bfloat16 for n in norms):
-            return False
-    return True
 
 
 def run(fused: tuple, i: int, h: torch.Tensor) -> torch.Tensor:

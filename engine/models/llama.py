@@ -195,6 +195,24 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return tp.embed(self.model.embed_tokens, input_ids, self.tp)
 
+    def fusable_decode(self) -> bool:
+        """Whether decode steps may run a layer per C call (fused_decode.py): every layer is this file's
+        attention (no q/k norm) and MLP, not sharded, with w4a8 weights and bf16 norms."""
+        from engine.models.quant import MixedLinear, W4A8Linear
+
+        for layer in self.model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            if not (type(layer) is DecoderLayer and type(attention) is Attention and type(mlp) is MLP
+                    and layer.tp is None and not attention.qk_norm):
+                return False
+            linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(m, (W4A8Linear, MixedLinear)) for m in linears):
+                return False
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if not all(type(n) is RMSNorm and n.weight.dtype == torch.bfloat16 for n in norms):
+                return False
+        return True
+
     def lm_head_weight(self) -> torch.Tensor:
         """The head's float weights, for the rare reader of its rows (token maps, EAGLE drafts): a
         quantized head keeps no float copy, so they are rebuilt here."""

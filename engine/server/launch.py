@@ -38,7 +38,7 @@ def run_server(args: ServerArgs) -> None:
     if args.node_rank > 0:
         from engine.distributed.launch import serve_node
 
-        sys.exit(serve_node(args))
+        sys.exit(serve_node(args, Engine))
     log.info("loading %s", args.model_path)
     engine = on_own_thread(lambda: Engine(server_args=args))
     server = make_server(engine, args)
