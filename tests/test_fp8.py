@@ -140,7 +140,7 @@ def test_weight_only_path_multiplies_by_the_dequantized_weight():
     w, x = torch.randn(64, 200, generator=g), torch.randn(4, 200, generator=g)
     layer = Fp8Linear(stored_weight(*quantize(w, (128, 128)), (128, 128), "w"), None)
     assert layer.path == "weight_only"      # 200 columns: activations cannot be grouped by 128
-    torch.testing.assert_close(layer(x), x @ layer.weight().dequantize().t())
+    torch.testing.assert_close(layer(x), x @ layer.fp8_weight().dequantize().t())
 
 
 def test_torch_scaled_mm_is_called_as_the_reference_computes():
@@ -239,7 +239,7 @@ def test_fp8_checkpoint_loads_as_stored_into_fp8_layers(scheme, float_model, tmp
             if i == 1 and part == "down_proj":
                 assert type(linear) is torch.nn.Linear and torch.equal(linear.weight, expected)
             else:
-                assert isinstance(linear, Fp8Linear) and torch.equal(linear.weight().dequantize(), expected)
+                assert isinstance(linear, Fp8Linear) and torch.equal(linear.fp8_weight().dequantize(), expected)
     assert model.weight_bytes < reference.weight_bytes
 
 
@@ -251,7 +251,7 @@ def test_online_fp8_rounds_each_output_channel(float_model):
     qkv = model.model.layers[0].self_attn.qkv_proj
     fused = torch.cat([weights[f"model.layers.0.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")])
     assert isinstance(qkv, Fp8Linear) and qkv.block == fused.shape[1]
-    assert torch.equal(qkv.weight().dequantize(), dequantized_reference(*quantize(fused), None))
+    assert torch.equal(qkv.fp8_weight().dequantize(), dequantized_reference(*quantize(fused), None))
 
 
 # ------------------------------------------------------------------------------------------ refusals

@@ -114,13 +114,13 @@ class Fp8Linear(nn.Module):
         """Float weights rounded to e4m3 with one scale per output channel (--quantization fp8)."""
         return cls(stored_weight(*quantize(weight), None, "weight"), bias)
 
-    def weight(self) -> Fp8Weight:
+    def fp8_weight(self) -> Fp8Weight:
         return Fp8Weight(self.weight_fp8, self.weight_scale, self.block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.path == "weight_only":
-            y = F.linear(rows, self.weight().dequantize(x.dtype))
+            y = F.linear(rows, self.fp8_weight().dequantize(x.dtype))
         else:
             gemm = scaled_gemm if self.path == "scaled_mm" else reference_gemm
             y = gemm(*quantize_activations(rows, self.group), self.weight_fp8, self.weight_scale).to(x.dtype)
