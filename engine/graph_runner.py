@@ -165,10 +165,9 @@ def _copy_into(static: ForwardBatch, batch: ForwardBatch) -> None:
 
 def attach(args, runner, kv, device: str, max_running: int, draft_tokens: int,
            capture_hidden: tuple[int, ...] = ()) -> None:
-    """Give the target's runner its StepGraphs when the flags and the hardware allow, and warm every
-    bucket of every step shape up (compiling or capturing it) with dummy requests before the first real
-    one; CUDA graphs are then sealed. `draft_tokens`: the tree a model drafter verifies (1: none);
-    `capture_hidden`: the hidden states the worker's steps return. Flags that cannot act here say so."""
+    """Give the target's runner its StepGraphs when the flags and the hardware allow, and capture (or
+    compile) every step shape before the first real request (capture_shapes). Flags that cannot act
+    here say so in one line."""
     cuda = device.startswith("cuda")
     if not cuda and (args.cuda_graph_max_bs is not None or args.disable_cuda_graph):
         log.info("--cuda-graph-max-bs / --disable-cuda-graph have no effect on the CPU (no CUDA graphs here)")
@@ -184,15 +183,26 @@ def attach(args, runner, kv, device: str, max_running: int, draft_tokens: int,
     capture = functools.partial(CudaGraph, pool=torch.cuda.graph_pool_handle()) if graphs_on_gpu else None
     runner.graphs = StepGraphs(fn, runner.backend.prepare, min(max_bs, max_running), kv.pad_row, kv.pad_slot,
                                capture, pad=graphs_on_gpu)
+    capture_shapes(args, runner, kv, draft_tokens, capture_hidden)
+
+
+def capture_shapes(args, runner, kv, draft_tokens: int, capture_hidden: tuple[int, ...] = ()) -> None:
+    """Capture every decode step shape of a worker (`draft_tokens`: the tree a model drafter verifies, 1
+    for none; `capture_hidden`: the hidden states its steps return) at every bucket of the runner's
+    graphs, those captured already kept, then seal them; compiled graphs are warmed up instead. A new
+    speculative configuration (Engine.set_speculative) calls it again. Nothing without graphs."""
+    graphs = runner.graphs
+    if graphs is None:
+        return
     shapes = step_shapes(draft_tokens, args.speculative_eagle_topk or 1, args.speculative_adaptive == "on",
                          args.speculative_attention_mode == "decode")
-    if not graphs_on_gpu:
-        shapes = _compiled_shapes(shapes)
-    # Every bucket is captured; a dynamic compile needs batch sizes 1 and 2 (1 is specialised).
-    sizes = runner.graphs.sizes if graphs_on_gpu else runner.graphs.sizes[:2]
-    warm_up(runner.graphs, kv, shapes, sizes, capture_hidden,
-            "capturing CUDA graphs" if graphs_on_gpu else "compiling (torch.compile)")
-    runner.graphs.sealed = True
+    if graphs.capture is None:
+        # A dynamic compile needs batch sizes 1 and 2 (1 is specialised).
+        warm_up(graphs, kv, _compiled_shapes(shapes), graphs.sizes[:2], capture_hidden, "compiling (torch.compile)")
+        return
+    graphs.sealed = False
+    warm_up(graphs, kv, shapes, graphs.sizes, capture_hidden, "capturing CUDA graphs")
+    graphs.sealed = True
 
 
 def _compiled_shapes(shapes: list[tuple[int, bool]]) -> list[tuple[int, bool]]:

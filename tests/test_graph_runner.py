@@ -14,7 +14,7 @@ import torch
 
 from engine.attention import resolve_backend
 from engine.config import ServerArgs
-from engine.graph_runner import CudaGraph, StepGraphs, _dummy_batch, _key, buckets, step_shapes, warm_up
+from engine.graph_runner import CudaGraph, StepGraphs, _dummy_batch, _key, buckets, capture_shapes, step_shapes
 from tests.test_speculative_lossless import ALGOS, draft_setup
 from tests.tiny import make_model, random_prompts, tiny_engine
 
@@ -142,9 +142,9 @@ def test_start_up_captures_every_shape_a_step_takes_and_serving_none(algo, adapt
     graphs = runner.graphs = StepGraphs(runner.run_model, runner.backend.prepare, 4, kv.pad_row, kv.pad_slot,
                                         EagerGraph)
     EagerGraph.captured = []
-    warm_up(graphs, kv, step_shapes(6, 2, adaptive == "on", False), graphs.sizes, worker.capture_hidden, "capturing")
-    graphs.sealed = True
+    capture_shapes(eng.args, runner, kv, worker.num_draft_tokens, worker.capture_hidden)
     at_start = list(EagerGraph.captured)
+    assert len(at_start) == len(graphs.sizes) * len(step_shapes(6, 2, adaptive == "on", False))
     seen = []
     bucket = graphs.bucket
     graphs.bucket = lambda batch: seen.append(batch) or bucket(batch)
