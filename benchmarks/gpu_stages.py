@@ -329,7 +329,7 @@ def stage_controlled(ctx: Context, result: dict, save: Callable) -> None:
     worker = eng._scheduler.worker
     capture_shapes(eng.args, eng._target, eng._kv, p["chain_cap"] + 1, worker.capture_hidden)
     ids, n = prompts(1, p["prompt_len"]), p["controlled_tokens"]
-    plain_s, outs = timed_generate(eng, ids, greedy(n), ctx.device)         # also the warm-up
+    _, outs = timed_generate(eng, ids, greedy(n), ctx.device)              # also the warm-up
     output = outs[0]["output_ids"]
     plain = tok_s(eng, ids, greedy(n), n, ctx.device)
     result.update(tokens=n, plain_tok_s=plain, chain_cap=p["chain_cap"], rates={})
