@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.tiny import make_model
+from tests.tiny import make_model, make_tokenizer
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -39,3 +39,24 @@ def target(tmp_path_factory):
     """A tiny random Llama target, read-only. Four layers: EAGLE-3's default aux states (2, L//2, L-3)
     need at least three."""
     return make_model(tmp_path_factory.mktemp("target"), "llama", layers=4)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    """A tiny random Llama (two layers, seed 0): the draft-model tests' target."""
+    return make_model(tmp_path_factory.mktemp("target"), "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def confident_dir(tmp_path_factory, target_dir):
+    """The target with a sharper lm_head: its greedy path is the best-scoring path of a draft tree, so
+    as its own draft everything drafted along it must be accepted."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)
+    path = tmp_path_factory.mktemp("confident")
+    model.save_pretrained(path)
+    make_tokenizer(path)
+    return path

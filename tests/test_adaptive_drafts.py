@@ -19,9 +19,9 @@ from engine.speculative.planner import Planner
 from engine.speculative.sizing import DECAY, START_ALPHA, Acceptance, draft_sizes, expected_accepted, worth_exploring
 from tests.drafts import ALGOS, draft_setup
 from tests.planning import Fixed, fitted, planner
-from tests.test_speculative_lossless import GREEDY, prompts
-from tests.test_standalone import confident_dir, generate, target_dir  # noqa: F401  (fixtures)
-from tests.test_standalone import prompts as standalone_prompts
+from tests.greedy import generate
+from tests.greedy import prompts as standalone_prompts
+from tests.lossless import GREEDY, prompts
 
 
 # ------------------------------------------------------------------ the model

@@ -119,7 +119,7 @@ def test_a_linear_from_gguf_groups_holds_the_files_weights(kind, monkeypatch):
     activations rounded to int8 groups."""
     import gguf
 
-    from tests.test_quant import gguf_blocks
+    from tests.gguf_files import gguf_blocks
 
     raw = gguf_blocks(kind, 40, 512)
     cls = {"Q5_K": Q5KLinear, "Q6_K": Q6KLinear, "Q4_1": W4A8Linear, "Q4_K": W4A8Linear}.get(kind, Int8GroupLinear)

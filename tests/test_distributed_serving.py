@@ -19,7 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.test_server import _free_port
+from tests.serving import free_port
 from tests.tiny import make_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def model_dir(tmp_path_factory):
 @contextlib.contextmanager
 def serving(model_dir, ready_timeout: float = 120, **flags):
     """`run_server` in a child process; yields (process, URL) once its ready line is out."""
-    port = _free_port()
+    port = free_port()
     values = dict(model_path=str(model_dir), dtype="float32", max_total_tokens=2048, port=port, log_level="warning",
                   **flags)
     code = f"from engine import ServerArgs; from engine.server import run_server; run_server(ServerArgs(**{values!r}))"
@@ -90,9 +90,9 @@ def test_two_nodes_over_loopback(model_dir):
     """--nnodes 2: node 1's `spec serve --node-rank 1` runs rank 1 and follows node 0's engine; it exits
     when node 0 shuts down."""
     from engine import Engine
-    from tests.test_speculative_lossless import GREEDY
+    from tests.lossless import GREEDY
 
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     flags = ["--model", str(model_dir), "--dtype", "float32", "--max-total-tokens", "2048", "--tp-size", "2",
              "--nnodes", "2", "--dist-init-addr", addr, "--log-level", "warning"]
     node1 = subprocess.Popen([sys.executable, "-c", "from spec_cli.main import app; app()", "serve", *flags,

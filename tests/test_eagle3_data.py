@@ -17,7 +17,7 @@ from engine.convert.corpus import load_prompts, written_share
 from engine.convert.data_manifest import data_shards
 from engine.convert.train_eagle3 import Silent, _aux_layers, _data, train
 from engine.loader import load_config
-from tests.test_train_eagle3 import options, write_prompts
+from tests.training import options, write_prompts
 
 
 @pytest.fixture
@@ -240,7 +240,7 @@ def test_a_gguf_generates_as_served_unless_asked(tmp_path, monkeypatch):
     from engine.loader import convert_gguf
     from engine.models.prepack import native_bf16
     from spec_kernels import cpu_w4a8
-    from tests.test_loader import gguf_tokenizer, tiny_llama, write_tiny_gguf
+    from tests.gguf_files import gguf_tokenizer, tiny_llama, write_tiny_gguf
 
     monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
     tokenizer = gguf_tokenizer()

@@ -11,9 +11,8 @@ import torch
 
 from engine import Engine, ModelLoadError, RequestError
 from engine.forward_batch import make_batch
+from tests.greedy import GREEDY, prompts
 from tests.tiny import make_model, reference_greedy, tiny_runner
-
-GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +23,6 @@ def llama_dir(tmp_path_factory):
 def engine(model_dir, **kw) -> Engine:
     return Engine(model_path=str(model_dir), dtype=kw.pop("dtype", "float32"), max_total_tokens=kw.pop("max_total_tokens", 4096),
                   **kw)
-
-
-def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 300, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])

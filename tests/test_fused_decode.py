@@ -9,7 +9,7 @@ import engine.model_runner as model_runner
 from engine.models import fused_decode
 from spec_kernels import cpu_decoder
 from tests.compiler import needs_compiler
-from tests.test_speculative_lossless import prompts as lossless_prompts
+from tests.lossless import prompts as lossless_prompts
 from tests.tiny import make_model, tiny_engine
 
 pytestmark = needs_compiler
@@ -47,7 +47,7 @@ def forwards(model_dir, monkeypatch, fused: bool):
 def test_fused_layers_give_the_eager_layers_bits(arch, tmp_path, monkeypatch):
     if arch == "gguf":
         from engine.loader import convert_gguf
-        from tests.test_loader import gguf_tokenizer, tiny_llama, write_tiny_gguf
+        from tests.gguf_files import gguf_tokenizer, tiny_llama, write_tiny_gguf
 
         monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
         tokenizer, model = gguf_tokenizer(), tmp_path / "tiny.gguf"

@@ -14,7 +14,7 @@ from engine.convert import ConvertError, magpie
 from engine.convert.generate import chat_prompt_ids
 from engine.convert.train_eagle3 import Silent, _aux_layers, _data
 from engine.loader import load_config, load_tokenizer
-from tests.test_train_eagle3 import options, write_prompts
+from tests.training import options, write_prompts
 
 
 def test_prefix_is_how_every_chat_prompt_begins(target):

@@ -5,7 +5,6 @@ speculative decoding lossless relative to the quantized target."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -13,27 +12,13 @@ from engine.loader import gguf_quant
 from engine.models.quant import Int4Linear, Int8Embedding, Int8GroupLinear, W4A8Linear, W8A8Linear, quantize_rows
 from spec_kernels import cpu_w4a8
 from tests.compiler import require
-from tests.test_loader import assert_converted_as_transformers_reads, gguf_tokenizer, tiny_llama, write_tiny_gguf
-from tests.test_speculative_lossless import ALGOS, draft_setup, prompts as lossless_prompts
+from tests.drafts import ALGOS, draft_setup
+from tests.gguf_files import (assert_converted_as_transformers_reads, gguf_blocks, gguf_tokenizer, tiny_llama,
+                              write_tiny_gguf)
+from tests.lossless import prompts as lossless_prompts
 from tests.tiny import make_model, tiny_engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
-
-
-def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Raw blocks of a [rows, cols] tensor: quantized from random weights, or for the K types (which
-    gguf-py cannot quantize) random bytes, every one a valid block with finite fp16 scales."""
-    import gguf
-
-    rng = np.random.default_rng(seed)
-    kind_enum = gguf.GGMLQuantizationType[kind]
-    if kind not in ("Q4_K", "Q5_K", "Q6_K"):
-        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), kind_enum)
-    size, scales = {"Q4_K": (144, slice(0, 4)), "Q5_K": (176, slice(0, 4)), "Q6_K": (210, slice(208, 210))}[kind]
-    blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
-    blocks[:, scales] = rng.uniform(0.001, 0.1, (len(blocks), blocks[:, scales].shape[1] // 2)
-                                    ).astype(np.float16).view(np.uint8)
-    return blocks.reshape(rows, -1)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1"])

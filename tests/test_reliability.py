@@ -10,7 +10,7 @@ import torch
 
 from engine import Engine
 from engine.sampling_params import SamplingParams
-from tests.test_speculative_lossless import ALGOS, draft_setup
+from tests.drafts import ALGOS, draft_setup
 from tests.tiny import make_model
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}

@@ -21,78 +21,15 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from engine import Engine, ServerArgs
-from engine.server import make_server
 from engine.server.limits import ReadDeadlineProtocol
+from tests.serving import Live, free_port, serve, server_args, sse
 from tests.tiny import deep_schema, make_model
 
 KEY = "test-key"
 IGNORE_EOS = {"ignore_eos": True}
 REPO = Path(__file__).resolve().parents[1]
-
-
-def sse(response: httpx.Response):
-    """The data fields of a streaming response. Keep the iterator while reading: httpx closes the
-    connection when it is dropped, which the server rightly takes as a client disconnect."""
-    return (line[6:] for line in response.iter_lines() if line.startswith("data: "))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _args(model_dir, **flags) -> ServerArgs:
-    return ServerArgs(model_path=str(model_dir), dtype="float32", max_total_tokens=8192, served_model_name="tiny",
-                      port=_free_port(), **flags)
-
-
-class Live:
-    def __init__(self, url: str, headers: dict, engine: Engine, server):
-        self.url, self.headers, self.engine, self.server = url, headers, engine, server
-        self.serving = server.config.app.state.serving
-
-    def http(self, **kw) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers=self.headers, timeout=kw.pop("timeout", 60), **kw)
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample as 'name{label="value"}' -> value (parsing it is part of the check)."""
-        with self.http() as c:
-            text = c.get("/metrics").text
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return out
-
-    def wait_metrics(self, ok, timeout: float = 60.0) -> dict[str, float]:
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            if ok(m) or time.monotonic() > deadline:
-                return m
-            time.sleep(0.05)
-
-
-@contextlib.contextmanager
-def serve(args: ServerArgs, headers: dict | None = None):
-    engine = Engine(server_args=args)
-    server = make_server(engine, args)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield Live(f"http://127.0.0.1:{server.port}", headers or {}, engine, server)
-    finally:
-        server.should_exit = True
-        thread.join(60)
 
 
 def wait_until(ok, what: str, timeout: float = 60.0) -> None:
@@ -149,7 +86,7 @@ def live(model_dir):
     """The main server; its API key comes from SPEC_API_KEY, as `spec serve` users may set it."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPEC_API_KEY", KEY)
-        args = _args(model_dir, max_queued_requests=64)
+        args = server_args(model_dir, max_queued_requests=64)
         with serve(args, {"Authorization": f"Bearer {KEY}"}) as s:
             mp.delenv("SPEC_API_KEY")
             yield s
@@ -158,13 +95,13 @@ def live(model_dir):
 @pytest.fixture(scope="module")
 def small(model_dir):
     """A short context, a short queue and a small body limit keep every fuzzed request cheap."""
-    with serve(_args(model_dir, max_queued_requests=4, context_length=64, max_request_body_mb=1)) as s:
+    with serve(server_args(model_dir, max_queued_requests=4, context_length=64, max_request_body_mb=1)) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def offline(model_dir):
-    return Engine(server_args=_args(model_dir))
+    return Engine(server_args=server_args(model_dir))
 
 
 def sync_client(live: Live) -> openai.OpenAI:
@@ -561,7 +498,7 @@ def test_requests_never_read_files(live, monkeypatch, tmp_path):
 
 def test_full_queue_answers_503_with_retry_after(model_dir, monkeypatch):
     long = {"prompt": "one", "max_tokens": 480, "temperature": 0, "stream": True, **IGNORE_EOS}
-    with serve(_args(model_dir, max_running_requests=1, max_queued_requests=2)) as small, \
+    with serve(server_args(model_dir, max_running_requests=1, max_queued_requests=2)) as small, \
             Hold(small, monkeypatch), small.http() as c, contextlib.ExitStack() as streams:
         first = sse(streams.enter_context(c.stream("POST", "/v1/completions", json=long)))
         next(first)                                     # it runs (and is held there): no longer queued
@@ -623,7 +560,7 @@ def test_bad_inputs_leave_a_running_stream_untouched(live, offline):
 
 
 def test_health_reports_a_stuck_or_dead_engine(model_dir, monkeypatch):
-    with serve(_args(model_dir)) as s, s.http() as c:
+    with serve(server_args(model_dir)) as s, s.http() as c:
         step, gate = s.engine.step, threading.Event()
         monkeypatch.setattr(s.engine, "step", lambda: (gate.wait(120), step())[1])
         monkeypatch.setattr(s.serving.loop, "stall_s", 0.2)
@@ -891,7 +828,7 @@ def test_schemathesis_finds_no_5xx(small):
 # ---------------------------------------------------------------------------------------- speculative metrics
 def test_ngram_metrics_report_accept_length(model_dir):
     pytest.importorskip("engine.speculative.ngram")
-    args = _args(model_dir, speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_eagle_topk=1,
+    args = server_args(model_dir, speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_eagle_topk=1,
                  speculative_num_draft_tokens=5)
     with serve(args) as s, s.http() as c:
         prompt = "one two three four five six seven eight nine ten " * 4
@@ -909,7 +846,7 @@ def test_ngram_metrics_report_accept_length(model_dir):
 
 
 def test_ready_line_names_the_tree_chosen_for_the_model(model_dir, capsys):
-    with serve(_args(model_dir, speculative_algorithm="NGRAM")) as s:
+    with serve(server_args(model_dir, speculative_algorithm="NGRAM")) as s:
         tree = s.engine.args.speculative_tree
     ready = [line for line in capsys.readouterr().out.splitlines() if "ready at" in line][0]
     assert "None" not in ready and f"steps {tree[0]}, topk {tree[1]}, draft tokens {tree[2]}" in ready
@@ -919,7 +856,7 @@ def test_ready_line_names_the_tree_chosen_for_the_model(model_dir, capsys):
 @contextlib.contextmanager
 def spawned(model_dir):
     """`run_server` in a child process; yields (process, its URL) once it prints its ready line."""
-    port = _free_port()
+    port = free_port()
     code = ("from engine import ServerArgs; from engine.server import run_server; "
             f"run_server(ServerArgs(model_path={str(model_dir)!r}, dtype='float32', max_total_tokens=4096, "
             f"port={port}, num_threads=1, log_level='warning'))")
@@ -972,7 +909,7 @@ def test_double_ctrl_c_answers_streams_and_exits_cleanly(model_dir):
 
 
 def test_shutdown_answers_streams_past_the_grace_period(model_dir, monkeypatch):
-    with serve(_args(model_dir)) as s, Hold(s, monkeypatch) as hold, s.http() as c:
+    with serve(server_args(model_dir)) as s, Hold(s, monkeypatch) as hold, s.http() as c:
         stopping, request_stop = threading.Event(), s.serving.loop.request_stop
         monkeypatch.setattr(s.serving.loop, "request_stop", lambda: (request_stop(), stopping.set()))
         s.server.grace_s = 0.0

@@ -11,8 +11,8 @@ import pytest
 
 from engine import Engine
 from engine.server.tool_calls import ToolCallParser
-from tests.test_server import _args, serve, sse
-from tests.test_speculative_lossless import ALGOS, draft_setup
+from tests.serving import free_port, serve, server_args, sse
+from tests.drafts import ALGOS, draft_setup
 from tests.tiny import TOOLS_CHAT_TEMPLATE, make_model
 
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
@@ -35,13 +35,13 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(model_dir):
-    with serve(_args(model_dir, constrained_json_disable_any_whitespace=True)) as s:
+    with serve(server_args(model_dir, constrained_json_disable_any_whitespace=True)) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def offline(model_dir):
-    return Engine(server_args=_args(model_dir))
+    return Engine(server_args=server_args(model_dir))
 
 
 def client(live) -> openai.OpenAI:
@@ -53,7 +53,7 @@ def speculative(request, model_dir, tmp_path_factory):
     algo = request.param
     kw = draft_setup(algo, model_dir, tmp_path_factory.mktemp(algo))
     kw.setdefault("model_path", str(model_dir))
-    args = _args(kw.pop("model_path"), constrained_json_disable_any_whitespace=True, speculative_algorithm=algo,
+    args = server_args(kw.pop("model_path"), constrained_json_disable_any_whitespace=True, speculative_algorithm=algo,
                  speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6, **kw)
     with serve(args) as s:
         yield s
@@ -249,9 +249,8 @@ def test_qwen_calls_tools_and_answers_json_under_ngram():
                                                                "required": ["city"]}}}
     question = [{"role": "user", "content": "What's the weather in Paris right now?"}]
     from engine import ServerArgs
-    from tests.test_server import _free_port
 
-    with serve(ServerArgs(model_path=model, port=_free_port(), max_total_tokens=8192,
+    with serve(ServerArgs(model_path=model, port=free_port(), max_total_tokens=8192,
                           speculative_algorithm="NGRAM")) as live:
         c = openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0)
         for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):

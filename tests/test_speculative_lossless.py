@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from engine import Engine
 from engine.sampling_params import SamplingParams
-from tests.drafts import ALGOS, draft_setup, module_for  # noqa: F401  (other test files import them from here)
-from tests.tiny import make_deepseek_v3, make_model, target_probs
+from tests.drafts import ALGOS, draft_setup, module_for
+from tests.lossless import (GREEDY, SAMPLE_PROMPT, SAMPLES, VOCAB, chi_square_p, exact_two_token_distribution, prompts,
+                            spec_engine)
+from tests.tiny import make_deepseek_v3, make_model
 
-GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
 # (steps, topk, draft tokens): chains, small trees, wide ones past steps*topk + 1 (SGLang's guide's
 # (3, 4, 16) and (5, 8, 64): EAGLE-2 ranks topk + (steps-1)*topk^2 candidates), a deep one.
 SHAPES = [(1, 1, 2), (3, 1, 4), (7, 1, 8), (2, 2, 4), (3, 4, 8), (3, 4, 16), (5, 8, 32), (5, 8, 64), (8, 8, 64)]
@@ -29,27 +29,10 @@ def target(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("target"), "llama", seed=3)
 
 
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(11)
-    out = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 17, 33, 9)]
-    out.append([10, 11, 12, 13, 14, 15] * 5)       # repetitive: n-grams and drafts get accepted
-    return out
-
-
 @pytest.fixture(scope="module")
 def plain_outputs(target):
     eng = Engine(model_path=str(target), dtype="float32", max_total_tokens=8192)
     return [o["output_ids"] for o in eng.generate(input_ids=prompts(), sampling_params=GREEDY)]
-
-
-def spec_engine(algo, target, tmp_path, shape, **kw) -> Engine:
-    pytest.importorskip(module_for(algo))
-    steps, topk, tokens = shape
-    # Fixed trees: every step drafts and verifies the whole tree (adaptive sizes: test_adaptive_drafts.py).
-    kw = {"model_path": str(target), "max_total_tokens": 8192, "speculative_adaptive": "off",
-          **draft_setup(algo, target, tmp_path), **kw}
-    return Engine(dtype="float32", speculative_algorithm=algo, speculative_num_steps=steps,
-                  speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens, **kw)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -141,39 +124,9 @@ def test_deepseek_nextn_draft_greedy_identical(deepseek, algo, shape, variant):
 
 
 # ---------------------------------------------------------------------------------------- sampling
-VOCAB = 8
-SAMPLES = 1500
-
-
 @pytest.fixture(scope="module")
 def small_target(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("small"), "llama", seed=5, vocab=VOCAB)
-
-
-def exact_two_token_distribution(model_dir, prompt, params: SamplingParams) -> torch.Tensor:
-    """P(x1, x2 | prompt) under the target with the request's temperature and truncation."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        first = target_probs(model(torch.tensor([prompt])).logits[0, -1:], params, prompt)[0]
-        joint = torch.zeros(VOCAB, VOCAB)
-        for a in range(VOCAB):
-            logits = model(torch.tensor([prompt + [a]])).logits[0, -1:]
-            joint[a] = first[a] * target_probs(logits, params, prompt, [a])[0]
-    return joint
-
-
-def chi_square_p(counts: torch.Tensor, expected: torch.Tensor) -> float:
-    exp = expected.flatten().double() / expected.sum() * counts.sum()
-    obs = counts.flatten().double()
-    assert obs[exp == 0].sum() == 0, "a sequence the target cannot produce came out"
-    big = exp >= 5                         # pool rare cells so every bin expects >= 5
-    o = torch.cat([obs[big], obs[~big].sum(0, keepdim=True)])
-    e = torch.cat([exp[big], exp[~big].sum(0, keepdim=True)])
-    keep = e > 0
-    o, e = o[keep], e[keep]
-    return chisquare(o, e / e.sum() * o.sum()).pvalue
 
 
 def _sampled_pairs(eng: Engine, sampling: dict, seeded: bool) -> torch.Tensor:
@@ -186,9 +139,6 @@ def _sampled_pairs(eng: Engine, sampling: dict, seeded: bool) -> torch.Tensor:
         a, b = o["output_ids"]
         counts[a, b] += 1
     return counts
-
-
-SAMPLE_PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
 
 
 @pytest.mark.parametrize("algo", ALGOS)

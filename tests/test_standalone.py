@@ -12,15 +12,8 @@ from engine import ConfigError, Engine
 from engine.sampling_params import SamplingParams
 from engine.speculative.draft_tree_search import search_trees, top_k
 from tests.compiler import require
+from tests.greedy import GREEDY, generate, prompts
 from tests.tiny import make_model, make_tokenizer
-
-GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-
-
-def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 300, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
 
 
 def noisy_copy(src, dst, noise: float, seed: int = 0):
@@ -38,11 +31,6 @@ def noisy_copy(src, dst, noise: float, seed: int = 0):
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("target"), "llama", seed=0)
-
-
-@pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory, target_dir):
     return noisy_copy(target_dir, tmp_path_factory.mktemp("draft"), noise=0.01)
 
@@ -56,25 +44,6 @@ def engine(target, draft=None, tree=None, **kw) -> Engine:
                     speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)
     kw.setdefault("max_total_tokens", 4096)
     return Engine(model_path=str(target), dtype="float32", **spec, **kw)
-
-
-def generate(eng: Engine, ps, params=GREEDY) -> list[list[int]]:
-    return [o["output_ids"] for o in eng.generate(input_ids=ps, sampling_params=params)]
-
-
-@pytest.fixture(scope="module")
-def confident_dir(tmp_path_factory, target_dir):
-    """The target with a sharper lm_head: its greedy path is the best-scoring path of a draft tree, so
-    as its own draft everything drafted along it must be accepted."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(6.0)
-    path = tmp_path_factory.mktemp("confident")
-    model.save_pretrained(path)
-    make_tokenizer(path)
-    return path
 
 
 @pytest.fixture(scope="module")

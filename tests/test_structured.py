@@ -24,7 +24,8 @@ from engine.errors import RequestError
 from engine.grammar import GrammarBackend, row_bitmask
 from engine.sampling import SamplingBatch
 from engine.sampling_params import SamplingParams
-from tests.test_speculative_lossless import ALGOS, VOCAB, chi_square_p, draft_setup, prompts, spec_engine
+from tests.drafts import ALGOS, draft_setup
+from tests.lossless import VOCAB, chi_square_p, prompts, spec_engine
 from tests.tiny import deep_schema, make_model, make_tokenizer, target_probs
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}

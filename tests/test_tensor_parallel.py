@@ -22,7 +22,8 @@ from engine import Engine
 from engine.errors import ConfigError, DistributedError
 from spec_kernels import cpu_w4a8
 from tests import eagle_checkpoints as ckpt
-from tests.test_speculative_lossless import ALGOS, GREEDY, draft_setup, prompts
+from tests.drafts import ALGOS, draft_setup
+from tests.lossless import GREEDY, prompts
 from tests.tiny import make_model
 
 TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
@@ -131,7 +132,7 @@ def test_gguf_groups_are_cut_by_rank(six_bits, tmp_path, monkeypatch):
     """A GGUF's own 4-bit layers, served sharded: every rank's block of them stays 4-bit (w4a8, or int4
     without VNNI); with Q4_K gate/up and embedding, Q6_K down projections and head, those stay as stored
     under w4a8 (the head and the embedding cut by vocabulary, their last blocks padded)."""
-    from tests.test_loader import gguf_tokenizer, tiny_llama, write_tiny_gguf
+    from tests.gguf_files import gguf_tokenizer, tiny_llama, write_tiny_gguf
 
     if six_bits and cpu_w4a8.kernel_name() != "avx512-vnni":
         pytest.skip("Q6_K layers are served as they are under w4a8, the default with AVX-512 VNNI")

@@ -21,24 +21,9 @@ from engine.convert.ttt import collate, unrolled
 from engine.loader import load_config
 from spec_cli.main import app
 from tests import eagle_checkpoints as ckpt
-from tests.test_eagle import DenseDraft
+from tests.dense_draft import DenseDraft
 from tests.tiny import make_model
-
-WORDS = "the quick brown fox jumps over lazy dog one two three four five six seven eight nine ten".split()
-
-
-def write_prompts(path, n: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    lines = [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (6,), generator=g)) for _ in range(n)]
-    path.write_text("\n".join(lines))
-    return path
-
-
-def options(target, output, prompts, **kw) -> TrainOptions:
-    base = dict(model=str(target), output=output, prompts=(str(prompts),), num_prompts=24, max_new_tokens=32,
-                gen_batch=8, draft_vocab=320, ttt_steps=3, batch_tokens=512, save_every=1000, device="cpu",
-                dtype="float32", precision="fp32")
-    return TrainOptions(**{**base, **kw})
+from tests.training import options, write_prompts
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,178 @@
+"""Tiny GGUF files as llama.cpp writes them, for the loader's and the quantized formats' tests: a tokenizer
+GGUF can carry, a tiny Llama, the file writer (F32, or chosen linears in a GGUF quantization, K types
+included), raw blocks of each quantization, and the check that a converted directory reads as
+transformers dequantizes the file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.loader import iter_weights
+
+CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+TEXTS = ["hello world, the quick brown fox", "speculative decoding drafts tokens", "def f(x): return x + 1"]
+
+
+def gguf_tokenizer():
+    """A tiny byte-level BPE tokenizer that GGUF files can carry."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(TEXTS * 4, vocab_size=300, min_frequency=1, special_tokens=["<s>", "</s>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<s>", eos_token="</s>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def tiny_llama(vocab_size: int, tie: bool = False, hidden_size: int = 64, intermediate_size: int = 128,
+               layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    # 4 query heads on 2 KV heads, so the GGUF test exercises llama.cpp's Q/K permutation with GQA.
+    config = LlamaConfig(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab_size,
+                         max_position_embeddings=128, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1)
+    return LlamaForCausalLM(config).eval()
+
+
+def write_tiny_gguf(path: Path, model, tokenizer, linear_types: dict[str, str] | None = None) -> None:
+    """Write `model` as llama.cpp's convert_hf_to_gguf.py would: F32 tensors (or, for the decoder's
+    linears named in linear_types, e.g. {"q_proj": "Q4_1"}, that GGUF quantization), Q/K rows permuted."""
+    import gguf
+
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    specials = set(tokenizer.all_special_ids)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_types([gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL for _, i in vocab])
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]  # ["a", "b"] pairs
+    writer.add_token_merges([" ".join(pair) for pair in merges])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    for hf_name, tensor in model.named_parameters():  # a tied lm_head once, as llama.cpp writes it
+        base, suffix = hf_name.rsplit(".", 1)
+        data = tensor.detach().float().numpy()
+        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(base.split(".")[-1])
+        if heads:  # llama.cpp interleaves the two rotary halves of every head
+            data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2)
+            data = np.ascontiguousarray(data.reshape(tensor.shape))
+        kind = (linear_types or {}).get(base.split(".")[-1]) if suffix == "weight" else None
+        if kind:
+            quant = gguf.GGMLQuantizationType[kind]
+            ours = {"Q4_K": quantize_k, "Q5_K": lambda w: quantize_k(w, 5), "Q6_K": quantize_q6_k}  # not in gguf-py
+            quantize = ours.get(kind, lambda w: gguf.quants.quantize(w, quant))
+            blocks = quantize(data)
+            writer.add_tensor(f"{names.get_name(base)}.{suffix}", blocks, raw_dtype=quant)
+        else:
+            writer.add_tensor(f"{names.get_name(base)}.{suffix}", data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def quantize_k(w: np.ndarray, bits: int = 4) -> np.ndarray:
+    """float [rows, K] (K a multiple of 256) -> Q4_K or (bits 5) Q5_K blocks (which gguf-py cannot write):
+    per 32 weights a step and a min (the smaller of theirs and 0) in 6-bit multiples of the 256's d and
+    dmin. Simpler than llama.cpp's search; the same format."""
+    rows, nb, top = w.shape[0], w.size // 256, 2 ** bits - 1
+    sub = w.reshape(nb, 8, 32).astype(np.float32)
+    step, floor = (sub.max(-1) - np.minimum(sub.min(-1), 0)) / top, -np.minimum(sub.min(-1), 0)
+    d, dmin = ((t.max(-1) / 63).astype(np.float16) for t in (step, floor))
+    sc, m = (np.round(t / np.where(s > 0, s, 1).astype(np.float32)[:, None]).clip(0, 63).astype(np.uint8)
+             for t, s in ((step, d), (floor, dmin)))
+    real_step, real_min = d.astype(np.float32)[:, None] * sc, dmin.astype(np.float32)[:, None] * m
+    q = np.round((sub + real_min[..., None]) / np.where(real_step > 0, real_step, 1)[..., None]).clip(0, top)
+    q = q.astype(np.uint8)
+    high = [(q[:, j] >> 4) << j for j in range(8)] if bits == 5 else []   # Q5_K: sub-block j's in bit j
+    q = q.reshape(nb, 4, 2, 32) & 15                               # chunk c: sub-blocks 2c (low), 2c + 1 (high)
+    scales = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4) << 6, m[:, :4] | (m[:, 4:] >> 4) << 6,
+                             sc[:, 4:] & 15 | (m[:, 4:] & 15) << 4], 1)
+    blocks = np.concatenate([d.view(np.uint8).reshape(nb, 2), dmin.view(np.uint8).reshape(nb, 2), scales,
+                             *([sum(high)] if high else []), (q[:, :, 0] | q[:, :, 1] << 4).reshape(nb, 128)], 1)
+    return blocks.reshape(rows, -1)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """float [rows, K] (K a multiple of 256) -> Q6_K blocks (which gguf-py cannot write): a scale per 16
+    weights (their largest magnitude / 31) in int8 steps of the 256's d. Simpler than llama.cpp's search;
+    the same format."""
+    rows, nb = w.shape[0], w.size // 256
+    sub = w.reshape(nb, 16, 16).astype(np.float32)
+    d = (np.abs(sub).max(-1).max(-1) / 31 / 127).astype(np.float16)
+    d32 = d.astype(np.float32)[:, None]
+    sc = np.round(np.abs(sub).max(-1) / 31 / np.where(d32 > 0, d32, 1)).clip(-128, 127).astype(np.int8)
+    step = d32 * sc
+    q = (np.round(sub / np.where(step > 0, step, 1)[..., None]).clip(-32, 31) + 32).astype(np.uint8)
+    q = q.reshape(nb, 2, 4, 32)                                   # halves of 128, quarters of 32
+    ql = np.concatenate([q[:, :, 0] & 15 | (q[:, :, 2] & 15) << 4, q[:, :, 1] & 15 | (q[:, :, 3] & 15) << 4], -1)
+    qh = q[:, :, 0] >> 4 | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
+    blocks = np.concatenate([ql.reshape(nb, 128), qh.reshape(nb, 64), sc.view(np.uint8),
+                             d.view(np.uint8).reshape(nb, 2)], 1)
+    return blocks.reshape(rows, -1)
+
+
+def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Raw blocks of a [rows, cols] tensor: quantized from random weights, or for the K types (which
+    gguf-py cannot quantize) random bytes, every one a valid block with finite fp16 scales."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    kind_enum = gguf.GGMLQuantizationType[kind]
+    if kind not in ("Q4_K", "Q5_K", "Q6_K"):
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), kind_enum)
+    size, scales = {"Q4_K": (144, slice(0, 4)), "Q5_K": (176, slice(0, 4)), "Q6_K": (210, slice(208, 210))}[kind]
+    blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+    blocks[:, scales] = rng.uniform(0.001, 0.1, (len(blocks), blocks[:, scales].shape[1] // 2)
+                                    ).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def transformers_gguf_weights(path: Path) -> dict[str, torch.Tensor]:
+    """transformers' own dequantization of a GGUF file's tensors, under its names: the reference for
+    what a converted directory's weights read as."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
+    return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+
+
+def assert_converted_as_transformers_reads(converted: Path, path: Path) -> None:
+    """Every tensor reads (iter_weights) as transformers dequantizes it from the file, bit for bit, and
+    one the directory keeps as the file's blocks is not also on disk as floats."""
+    from engine.loader.gguf_convert import gguf_groups
+    from engine.loader.weights import SafetensorsFile
+
+    got, want = dict(iter_weights(converted)), transformers_gguf_weights(path)
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], tensor), name
+    groups = gguf_groups(converted)
+    floats = set(SafetensorsFile(converted / "model.safetensors").names())
+    assert groups is not None and not floats & set(groups.names())
