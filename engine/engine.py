@@ -145,6 +145,7 @@ class Engine:
         if self.has_work:
             raise ConfigError("set_speculative runs between requests only; finish or abort the running ones first.")
         from engine.build import build_worker, resolve_args
+        from engine.graph_runner import capture_shapes
         from engine.speculative.factory import unseeded_rule
 
         if self._tp:
@@ -166,6 +167,9 @@ class Engine:
         worker.capture = self._scheduler.worker.capture
         if self._tp:
             self._tp.attach(worker)
+        # The new worker's step shapes are captured now, as at start-up: never while serving.
+        capture_shapes(args, self._target, self._kv, worker.num_draft_tokens if _has_draft_model(args) else 1,
+                       worker.capture_hidden)
         self._scheduler.set_worker(worker, args)
         self.args = args
 
