@@ -15,7 +15,7 @@ import torch
 from engine.attention import resolve_backend
 from engine.config import ServerArgs
 from engine.graph_runner import CudaGraph, StepGraphs, _dummy_batch, _key, buckets, capture_shapes, step_shapes
-from tests.test_speculative_lossless import ALGOS, draft_setup
+from tests.drafts import ALGOS, draft_setup
 from tests.tiny import make_model, random_prompts, tiny_engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
@@ -60,7 +60,7 @@ def test_bucketed_decode_is_lossless(algo, capture, target, tmp_path):
         pytest.importorskip("triton")
         spec["attention_backend"] = "triton"
     eng = tiny_engine(model, algo, tree=(3, 2, 6), **spec)
-    runner, kv = eng._target, eng._kv
+    runner, kv = eng.debug.target, eng.debug.kv
     graphs = runner.graphs = StepGraphs(runner.run_model, runner.backend.prepare, 8, kv.pad_row, kv.pad_slot,
                                         capture)
     sizes = []
@@ -81,8 +81,8 @@ def test_compiled_decode_gives_the_same_tokens(algo, weights, target, tmp_path):
         input_ids=prompts, sampling_params=GREEDY)]
     eng = tiny_engine(target, algo, tree=(3, 2, 6), enable_torch_compile=True, torch_compile_max_bs=4, **spec)
     calls = []
-    fn = eng._target.graphs.fn
-    eng._target.graphs.fn = lambda batch: calls.append(batch.batch_size) or fn(batch)
+    fn = eng.debug.target.graphs.fn
+    eng.debug.target.graphs.fn = lambda batch: calls.append(batch.batch_size) or fn(batch)
     assert [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)] == expected
     assert 4 in calls
 
@@ -93,7 +93,7 @@ def test_captured_inputs_outlive_the_callers_batch(target):
     freed memory (on a GPU: an illegal memory access)."""
     pytest.importorskip("triton")
     eng = tiny_engine(target, attention_backend="triton")
-    runner, kv = eng._target, eng._kv
+    runner, kv = eng.debug.target, eng.debug.kv
     graphs = StepGraphs(runner.run_model, runner.backend.prepare, 4, kv.pad_row, kv.pad_slot, ReplayingGraph)
     with torch.inference_mode():
         batch = _dummy_batch(kv, 4, 1, None, torch.full((4,), kv.pad_slot, dtype=torch.long))
@@ -138,7 +138,7 @@ def test_start_up_captures_every_shape_a_step_takes_and_serving_none(algo, adapt
     sizes chosen depend on timings: whole trees (off) make sure verify steps run."""
     spec = {"speculative_draft_model_path": str(target)} if algo == "STANDALONE" else draft_setup(algo, target, tmp_path)
     eng = tiny_engine(target, algo, tree=(3, 2, 6), speculative_adaptive=adaptive, **spec)
-    runner, kv, worker = eng._target, eng._kv, eng._scheduler.worker
+    runner, kv, worker = eng.debug.target, eng.debug.kv, eng.debug.worker
     graphs = runner.graphs = StepGraphs(runner.run_model, runner.backend.prepare, 4, kv.pad_row, kv.pad_slot,
                                         EagerGraph)
     EagerGraph.captured = []
@@ -163,7 +163,7 @@ def bucket_size(graphs: StepGraphs, batch) -> int:
 
 def test_an_uncaptured_shape_runs_eagerly_once_sealed(target, caplog):
     eng = tiny_engine(target)
-    runner, kv = eng._target, eng._kv
+    runner, kv = eng.debug.target, eng.debug.kv
     graphs = StepGraphs(runner.run_model, runner.backend.prepare, 4, kv.pad_row, kv.pad_slot, EagerGraph)
     graphs.sealed = True
     with torch.inference_mode(), caplog.at_level(logging.DEBUG, logger="engine.graph_runner"):
