@@ -18,27 +18,11 @@ from engine.loader import iter_weights, load_config
 from engine.loader.fp8_quant import E4M3, E4M3_MAX, Fp8Weight, quantize, stored_weight
 from engine.model_runner import load_model
 from engine.models.fp8 import Fp8Linear, quantize_activations, reference_gemm, scaled_gemm
+from tests.fp8_checkpoints import blockwise, dequantized_reference, save_fp8_checkpoint
 from tests.tiny import make_model, random_prompts, reference_greedy, tiny_engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
 SCHEMES = {"channel": None, "block": (128, 128)}
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-           "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")       # and DeepSeek-V3's MLA
-
-
-def blockwise(weight: torch.Tensor, block) -> list[tuple[slice, slice, tuple[int, int]]]:
-    """(rows, columns, scale index) of every block of a weight, one row per block without `block`."""
-    n, k = weight.shape
-    rows, columns = block or (1, k)
-    return [(slice(i, i + rows), slice(j, j + columns), (i // rows, j // columns))
-            for i in range(0, n, rows) for j in range(0, k, columns)]
-
-
-def dequantized_reference(q: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
-    out = torch.empty(q.shape)
-    for rows, columns, at in blockwise(q, block):
-        out[rows, columns] = q[rows, columns].float() * scale[at]
-    return out
 
 
 def outlying_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -158,36 +142,6 @@ def test_torch_scaled_mm_is_called_as_the_reference_computes():
 
 
 # ------------------------------------------------------------------------------------- checkpoints
-def save_fp8_checkpoint(src, dst, block, keep_float: tuple[str, ...] = ()):
-    """`src`'s float model as an FP8 checkpoint in `dst` (its decoder linears in e4m3, per-channel
-    `weight_scale` or DeepSeek's block `weight_scale_inv`, except names containing `keep_float`), and its
-    dequantized float twin in `dst`_ref: the model an FP8 checkpoint means."""
-    from safetensors.torch import save_file
-
-    ref = dst.parent / f"{dst.name}_ref"
-    shutil.copytree(src, dst)
-    shutil.copytree(src, ref)
-    stored, floats = {}, {}
-    for name, w in iter_weights(src):
-        if name.split(".")[-2] in LINEARS and not any(k in name for k in keep_float):
-            q, scale = quantize(w, block)
-            stored[name] = q
-            stored[name + ("_scale_inv" if block else "_scale")] = scale
-            floats[name] = dequantized_reference(q, scale, block)
-        else:
-            stored[name] = floats[name] = w
-    for path in (dst, ref):
-        for old in path.glob("*.safetensors"):
-            old.unlink()
-    save_file(stored, dst / "model.safetensors")
-    save_file(floats, ref / "model.safetensors")
-    config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     **({"weight_block_size": list(block)} if block else {})}
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst, ref
-
-
 @pytest.fixture(scope="module")
 def float_model(tmp_path_factory):
     # 192 wide: partial 128-blocks on both axes, and q/k/v parts of 192 and 96 rows fused.

@@ -245,7 +245,7 @@ def test_fp8_greedy_identical_on_cuda(algo, weights, aligned_target, tmp_path, c
     capability 8.9+ the layers multiply in torch's FP8 GEMM."""
     import logging
 
-    from tests.test_fp8 import save_fp8_checkpoint
+    from tests.fp8_checkpoints import save_fp8_checkpoint
 
     model = aligned_target if weights == "online" else save_fp8_checkpoint(aligned_target, tmp_path / "fp8", (128, 128))[0]
     kw = {"quantization": "fp8", **MODES["triton-graphs"]}
