@@ -122,7 +122,7 @@ def forward_ms(eng, batch: int, tokens: int, context: int, iters: int, device: s
 
     from engine.forward_batch import make_batch
 
-    kv, runner = eng._kv, eng._target
+    kv, runner = eng.debug.kv, eng.debug.target
     slots = torch.full((batch * tokens,), kv.pad_slot, dtype=torch.long)       # made outside inference mode
     with torch.inference_mode():
         step = make_batch(kv.table, [kv.pad_row] * batch, [context] * batch,
@@ -182,11 +182,11 @@ def stage_plain(ctx: Context, result: dict, save: Callable) -> None:
             result["variants"][variant] = f"error: {type(e).__name__}: {e}"
             save()
             continue
-        result["weight_bytes"] = eng._target.model.weight_bytes
+        result["weight_bytes"] = eng.debug.target.model.weight_bytes
         if variant == "default":
             default_backend = eng.args.attention_backend
             result["default_resolved"] = {"attention_backend": default_backend,
-                                          "cuda_graphs": eng._target.graphs is not None}
+                                          "cuda_graphs": eng.debug.target.graphs is not None}
         new_tokens = p["eager_new_tokens"] if "eager" in variant else p["new_tokens"]
         for batch in p["batches"]:
             row = {"variant": variant, "batch": batch,
@@ -277,8 +277,8 @@ def stage_speculation(ctx: Context, result: dict, save: Callable) -> None:
         eng.set_speculative(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(ctx.draft),
                             speculative_num_steps=steps, speculative_eagle_topk=topk,
                             speculative_num_draft_tokens=tokens, speculative_adaptive="off")
-        worker = eng._scheduler.worker
-        capture_shapes(eng.args, eng._target, eng._kv, worker.num_draft_tokens, worker.capture_hidden)
+        worker = eng.debug.worker
+        capture_shapes(eng.args, eng.debug.target, eng.debug.kv, worker.num_draft_tokens, worker.capture_hidden)
         entry = result["trees"][f"{steps},{topk},{tokens}"] = {"kind": name, "batches": {}}
         for b in p["spec_batches"]:
             full = decode_speed(eng, b, p["spec_new_tokens"], p["prompt_len"], ctx.device)
@@ -294,7 +294,7 @@ def stage_speculation(ctx: Context, result: dict, save: Callable) -> None:
 def drafting_ms(eng, batch: int, p: dict, device: str) -> float:
     """Milliseconds a step spends drafting: the drafter's draft and after_verify, each with the device
     synchronised before and after (a run of its own: the synchronisation slows the step)."""
-    drafter, spent = eng._scheduler.worker.drafter, []
+    drafter, spent = eng.debug.drafter, []
 
     def timed(method):
         def run(*args, **kwargs):
@@ -326,8 +326,8 @@ def stage_controlled(ctx: Context, result: dict, save: Callable) -> None:
 
     p = ctx.plan
     eng = ctx.engine(1)
-    worker = eng._scheduler.worker
-    capture_shapes(eng.args, eng._target, eng._kv, p["chain_cap"] + 1, worker.capture_hidden)
+    worker = eng.debug.worker
+    capture_shapes(eng.args, eng.debug.target, eng.debug.kv, p["chain_cap"] + 1, worker.capture_hidden)
     ids, n = prompts(1, p["prompt_len"]), p["controlled_tokens"]
     _, outs = timed_generate(eng, ids, greedy(n), ctx.device)              # also the warm-up
     output = outs[0]["output_ids"]
@@ -373,7 +373,7 @@ def stage_fp8(ctx: Context, result: dict, save: Callable) -> None:
     except ConfigError as e:
         result.update(available=False, note=f"not available: {e}")
         return
-    result.update(available=True, weight_bytes=eng._target.model.weight_bytes,
+    result.update(available=True, weight_bytes=eng.debug.target.model.weight_bytes,
                   **decode_speed(eng, 1, p["new_tokens"], p["prompt_len"], ctx.device))
     close(eng, ctx.device)
 
