@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import time
 from typing import Callable, Optional
@@ -256,5 +257,22 @@ def _compiled(runner, cuda: bool) -> Callable:
     torch._inductor.config.freezing = not cuda
     # A graph per bucket and batch kind, and context lengths that vary: more than dynamo's default 8.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    model = torch.compile(runner.model, dynamic=not cuda)
-    return lambda batch: model(batch.input_ids, batch.positions, batch, runner.backend)
+    forward = torch.compile(_own_forward(runner.model), dynamic=not cuda)
+    return lambda batch: forward(batch.input_ids, batch.positions, batch, runner.backend)
+
+
+_compiled_forwards = itertools.count()
+
+
+def _own_forward(model) -> Callable:
+    """The model's forward on a code object of its own, named apart. Dynamo keeps its graphs per code
+    object and what it learnt of the shapes (which to make dynamic) per code name: two engines compiling
+    one model class would share both, the second compiled as a recompile of the first (other shapes
+    specialised, other kernels, other rounding in bf16), so an engine's tokens would depend on what else
+    was compiled in the process."""
+    import types
+
+    fn = type(model).forward
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_compiled_forwards)}")
+    own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return own.__get__(model)
