@@ -57,7 +57,7 @@ def resolve_quantization(name: str, model_dir, device: str, dtype: str, config=N
     None. auto: a GGUF (its converted directory keeps the file's own blocks) on the CPU, unless float32 is
     asked for: w4a8 where its kernel runs on VNNI, else the format that decodes it faster (see
     _W8A8_MIN_WEIGHTS)."""
-    from engine.loader.gguf_convert import gguf_groups
+    from engine.loader.gguf_quant import gguf_groups
     from engine.models.quant import KINDS
     from spec_kernels import cpu_w4a8
 
@@ -108,7 +108,7 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
     this rank's block. A `draft` is quantized as quant.DRAFT_HEADS says. `model.weight_bytes` tells what it holds."""
     from engine.distributed.sharding import local_config, local_groups
     from engine.loader import iter_weights
-    from engine.loader.gguf_convert import gguf_groups
+    from engine.loader.gguf_quant import gguf_groups
     from engine.models.fp8 import describe as fp8_paths, fp8_sinks
     from engine.models.quant import (BESIDE_GROUPS, FROM_GROUPS, install_gguf_groups, quantize_while_loading,
                                      release_freed_memory)

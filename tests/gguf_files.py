@@ -166,8 +166,8 @@ def transformers_gguf_weights(path: Path) -> dict[str, torch.Tensor]:
 def assert_converted_as_transformers_reads(converted: Path, path: Path) -> None:
     """Every tensor reads (iter_weights) as transformers dequantizes it from the file, bit for bit, and
     one the directory keeps as the file's blocks is not also on disk as floats."""
-    from engine.loader.gguf_convert import gguf_groups
-    from engine.loader.weights import SafetensorsFile
+    from engine.loader.gguf_quant import gguf_groups
+    from engine.loader.safetensors_io import SafetensorsFile
 
     got, want = dict(iter_weights(converted)), transformers_gguf_weights(path)
     assert sorted(got) == sorted(want)

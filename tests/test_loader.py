@@ -106,7 +106,7 @@ def test_dir_without_config_or_weights(model_dir):
 def test_safetensors_written_tensor_by_tensor_read_back_by_both_readers(tmp_path):
     from safetensors import safe_open
 
-    from engine.loader.weights import SafetensorsFile, SafetensorsWriter
+    from engine.loader.safetensors_io import SafetensorsFile, SafetensorsWriter
 
     tensors = {"model.a": torch.randn(3, 5), "b": torch.randn(4, 2).bfloat16(), "c": torch.arange(6, dtype=torch.int8),
                "empty": torch.empty(0, 7), "scalar": torch.tensor(3.0, dtype=torch.float16),
@@ -399,7 +399,7 @@ def test_a_quantized_tensor_is_kept_as_blocks_only_where_transformers_just_reord
 
 
 def test_a_full_disk_during_conversion_says_where_and_what_to_do(tiny_gguf, monkeypatch):
-    from engine.loader.weights import SafetensorsWriter
+    from engine.loader.safetensors_io import SafetensorsWriter
 
     def full(self, name, tensor):
         raise OSError(28, "No space left on device")

@@ -127,7 +127,7 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     from engine import Engine
     from engine.forward_batch import make_batch
     from engine.loader import convert_gguf, iter_weights
-    from engine.loader.gguf_convert import gguf_groups
+    from engine.loader.gguf_quant import gguf_groups
 
     monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))      # the conversion stays in this test
     tokenizer = gguf_tokenizer()

@@ -32,7 +32,6 @@ from engine.progress import progress
 logger = logging.getLogger(__name__)
 
 # In a folder of its own, so that the checkpoint's *.safetensors stay the float weights alone.
-QUANT_FILE = "gguf_groups/groups.safetensors"
 # Bumped when what a conversion writes changes: older cached directories are converted again.
 _FORMAT = 7
 
@@ -164,7 +163,8 @@ def _write_tensors(path: Path, config, skeleton, dtype: torch.dtype, out: Path) 
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     from engine.loader import gguf_quant
-    from engine.loader.weights import SafetensorsWriter
+    from engine.loader.gguf_quant import QUANT_FILE
+    from engine.loader.safetensors_io import SafetensorsWriter
 
     reader = gguf.GGUFReader(path)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
@@ -232,33 +232,3 @@ def _dequantize(tensor) -> np.ndarray:
     for row in range(0, len(out), step):
         out[row:row + step] = gguf.dequantize(data[row:row + step], tensor.tensor_type)
     return out
-
-
-def gguf_groups(model_dir: Path) -> Optional["StoredGroups"]:
-    """A converted GGUF's own quantized tensors, or None when the directory has none."""
-    file = Path(model_dir) / QUANT_FILE
-    return StoredGroups(file) if file.is_file() else None
-
-
-class StoredGroups:
-    """hf weight name -> gguf_quant.Groups (None for a name stored otherwise), over QUANT_FILE."""
-
-    def __init__(self, file: Path):
-        from engine.loader.weights import SafetensorsFile
-
-        self._reader = SafetensorsFile(file)
-
-    def names(self) -> list[str]:
-        return [n.rsplit(".", 1)[0] for n in self._reader.names() if n.rsplit(".", 1)[1] in _BITS]
-
-    def __call__(self, name: str):
-        from engine.loader.gguf_quant import Groups
-
-        for bits in _BITS.values():
-            names = [f"{name}.q{bits}{suffix}" for suffix in ("", "_scale", "_min", "_super")]
-            if names[0] in self._reader.header:
-                return Groups(bits, *(self._reader.get(n) if n in self._reader.header else None for n in names))
-        return None
-
-
-_BITS = {f"q{bits}": bits for bits in (4, 5, 6, 8)}

@@ -15,10 +15,13 @@ types (Q2_K, Q3_K, IQ*) are left to the dequantized checkpoint.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
+
+from engine.loader.safetensors_io import SafetensorsFile
 
 GROUP = 32
 _SLICE_BYTES = 16 << 20         # dequantize's output per slice
@@ -152,3 +155,33 @@ def _dequantize(groups: Groups) -> torch.Tensor:
     scale, low = groups.scale_min()
     q = (unpack(groups.q) if groups.bits == 4 else groups.q).float().view(groups.q.shape[0], -1, GROUP)
     return (q * scale[:, :, None] + low[:, :, None]).view(groups.q.shape[0], -1)
+
+
+# Where a converted GGUF keeps its own quantized tensors (gguf_convert.py writes it).
+QUANT_FILE = "gguf_groups/groups.safetensors"
+
+
+def gguf_groups(model_dir: Path) -> Optional["StoredGroups"]:
+    """A converted GGUF's own quantized tensors, or None when the directory has none."""
+    file = Path(model_dir) / QUANT_FILE
+    return StoredGroups(file) if file.is_file() else None
+
+
+class StoredGroups:
+    """hf weight name -> Groups (None for a name stored otherwise), over QUANT_FILE."""
+
+    def __init__(self, file: Path):
+        self._reader = SafetensorsFile(file)
+
+    def names(self) -> list[str]:
+        return [n.rsplit(".", 1)[0] for n in self._reader.names() if n.rsplit(".", 1)[1] in _BITS]
+
+    def __call__(self, name: str):
+        for bits in _BITS.values():
+            names = [f"{name}.q{bits}{suffix}" for suffix in ("", "_scale", "_min", "_super")]
+            if names[0] in self._reader.header:
+                return Groups(bits, *(self._reader.get(n) if n in self._reader.header else None for n in names))
+        return None
+
+
+_BITS = {f"q{bits}": bits for bits in (4, 5, 6, 8)}
