@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.forward_batch import make_batch
+from engine.core.forward_batch import make_batch
 from engine.memory.kv_pool import KVPool
 
 H, HKV, D, LAYERS = 9, 3, 64, 30

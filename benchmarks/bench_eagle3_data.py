@@ -43,7 +43,7 @@ def main() -> None:
     import engine
     from engine.convert.eagle3_data import take_sample
     from engine.convert.generate import Generation, chat_prompt_ids, generate_groups, generation_engine
-    from engine.model_runner import resolve_dtype, resolve_quantization
+    from engine.core.model_runner import resolve_dtype, resolve_quantization
     from engine.models.eagle import eagle3_aux_layers
 
     extra = {"quantization": a.quantization} if a.quantization else {}

@@ -29,17 +29,17 @@ SCHEMA = {"type": "object", "properties": {
 
 
 def measure(model: str, algo: str, batch: int, max_new: int, constrained: bool) -> dict:
-    import engine.grammar
-    import engine.worker
+    import engine.core.grammar
+    import engine.core.worker
     from engine import Engine
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
 
     kw = {"speculative_algorithm": algo} if algo != "plain" else {}
     eng = Engine(model_path=model, dtype="float32", max_total_tokens=64 * 1024, max_running_requests=batch,
                  constrained_json_disable_any_whitespace=True, **kw)
     mask_time = [0.0]
-    engine.worker.row_bitmask = _timed(engine.worker.row_bitmask, mask_time)
-    engine.grammar.apply_bitmask = _timed(engine.grammar.apply_bitmask, mask_time)
+    engine.core.worker.row_bitmask = _timed(engine.core.worker.row_bitmask, mask_time)
+    engine.core.grammar.apply_bitmask = _timed(engine.core.grammar.apply_bitmask, mask_time)
     params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": max_new} |
                                       ({"json_schema": json.dumps(SCHEMA)} if constrained else {"ignore_eos": True}))
     t = time.perf_counter()

@@ -124,7 +124,7 @@ def spec_case(model: str, spec: dict, prompts: list[list[int]] | None, new_token
     import torch
 
     from engine import Engine
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
 
     torch.set_num_threads(2)
     eng = Engine(model_path=model, **spec)
@@ -149,7 +149,7 @@ def chain_batch(eng, n: int, cached: int = 512):
     slots read zeros): what a verify step (n > 1) or a plain step (n = 1) feeds the target."""
     import torch
 
-    from engine.forward_batch import make_batch
+    from engine.core.forward_batch import make_batch
 
     kv = eng.debug.kv
     return make_batch(kv.table, [kv.pad_row], [cached], torch.zeros(n, dtype=torch.long),

@@ -87,7 +87,7 @@ def measure(model: str, algo: str, batch: int, max_new: int, threads: int, tree:
     import torch
 
     from engine import Engine
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)
     kw = {} if algo == "plain" else {"speculative_algorithm": algo, **dict(zip(

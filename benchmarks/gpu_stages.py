@@ -120,7 +120,7 @@ def forward_ms(eng, batch: int, tokens: int, context: int, iters: int, device: s
     captured). The requests sit on the KV manager's padding row and slot, as graph warm-up's do."""
     import torch
 
-    from engine.forward_batch import make_batch
+    from engine.core.forward_batch import make_batch
 
     kv, runner = eng.debug.kv, eng.debug.target
     slots = torch.full((batch * tokens,), kv.pad_slot, dtype=torch.long)       # made outside inference mode
@@ -262,7 +262,7 @@ def stage_speculation(ctx: Context, result: dict, save: Callable) -> None:
     full drafted EAGLE-3 step (whole trees every step: --speculative-adaptive off; graphs captured before
     timing) at each batch, split into drafting (the draft and its catch-up, timed apart with the device
     synchronised around them) and the rest (the verify forward and acceptance)."""
-    from engine.graph_runner import capture_shapes
+    from engine.core.graph_runner import capture_shapes
 
     p = ctx.plan
     eng = ctx.engine(p["max_bs"])
@@ -322,7 +322,7 @@ def stage_controlled(ctx: Context, result: dict, save: Callable) -> None:
     chains of 3 is every draft of a (3, 1, 4) chain accepted: it stands for EAGLE-3 at full acceptance,
     without the draft model's cost."""
     import engine.speculative.prediction as prediction
-    from engine.graph_runner import capture_shapes
+    from engine.core.graph_runner import capture_shapes
 
     p = ctx.plan
     eng = ctx.engine(1)

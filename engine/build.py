@@ -13,21 +13,21 @@ from torch import nn
 
 from engine.attention import check_backend, create_backend
 from engine.config import ServerArgs, model_max_positions
-from engine.cost_probe import forward_times
+from engine.core.cost_probe import forward_times
 from engine.distributed import group as tp
-from engine.graph_runner import attach
+from engine.core.graph_runner import attach
 from engine.loader import load_config, load_tokenizer, resolve_model_path
 from engine.memory.budget import KVBudget
 from engine.memory.kv_manager import KVManager
 from engine.memory.kv_pool import KVPool
-from engine.model_runner import ModelRunner, kv_layout, load_model, resolve_device, resolve_dtype, resolve_quantization
+from engine.core.model_runner import ModelRunner, kv_layout, load_model, resolve_device, resolve_dtype, resolve_quantization
 from engine.progress import progress
-from engine.scheduler import Scheduler
+from engine.core.scheduler import Scheduler
 from engine.speculative.cost import StepCost
 from engine.speculative.planner import PRIOR_ROW_COST, Planner, PlannerFactory
 from engine.speculative.factory import create_drafter, load_draft_model, unseeded_rule
 from engine.speculative.token_map import resolve_token_map
-from engine.worker import Worker
+from engine.core.worker import Worker
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 from engine.config import ServerArgs
 from engine.distributed import group as tp_group
 from engine.errors import ConfigError, RequestError
-from engine.grammar import GrammarBackend
-from engine.request import Request
-from engine.sampling import choice_seed
+from engine.core.grammar import GrammarBackend
+from engine.core.request import Request
+from engine.core.sampling import choice_seed
 from engine.speculative.prediction import Prediction
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +47,9 @@ class EngineView:
     """An engine's parts as they are now (Engine.debug), for tests and benchmarks that look inside: the
     target's model runner, the KV manager, the worker of the current speculative configuration and its
     planner. Reading is safe between steps; what changes them is the engine's own business."""
-    target: Any                 # engine.model_runner.ModelRunner
+    target: Any                 # engine.core.model_runner.ModelRunner
     kv: Any                     # engine.memory.kv_manager.KVManager
-    worker: Any                 # engine.worker.Worker
+    worker: Any                 # engine.core.worker.Worker
     planner: Any                # engine.speculative.planner.Planner
 
     @property
@@ -145,7 +145,7 @@ class Engine:
         if self.has_work:
             raise ConfigError("set_speculative runs between requests only; finish or abort the running ones first.")
         from engine.build import build_worker, resolve_args
-        from engine.graph_runner import capture_shapes
+        from engine.core.graph_runner import capture_shapes
         from engine.speculative.factory import unseeded_rule
 
         if self._tp:
@@ -192,7 +192,7 @@ class Engine:
         outside the scheduler, which must be idle: checks that stored answers are the target's."""
         import torch
 
-        from engine.forward_batch import make_batch
+        from engine.core.forward_batch import make_batch
 
         n = len(token_ids)
         if self.has_work or n > min(self._kv.unused(), self.context_len):
@@ -210,7 +210,7 @@ class Engine:
         """The compiled grammar of the request's constraint, or None. Thread-safe (the server compiles
         off the engine thread); a RequestError naming the parameter when it is past the limits, does not
         compile or (with `cancelled`, in the compiler process) takes past --grammar-compile-timeout;
-        engine.grammar_worker.CompileCancelled once cancelled() is true."""
+        engine.core.grammar_worker.CompileCancelled once cancelled() is true."""
         return self.grammars.compile(*params.constraint, cancelled=cancelled) if params.constraint else None
 
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: Optional[str] = None, *,

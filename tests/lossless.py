@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import Engine
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from tests.drafts import draft_setup, module_for
 from tests.tiny import target_probs
 

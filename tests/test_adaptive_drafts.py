@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from engine import cost_probe
+from engine.core import cost_probe
 from engine import Engine
 from engine.build import measured_cost
 from engine.speculative import standalone

@@ -11,7 +11,7 @@ import torch
 
 from engine.attention import torch_backend
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.forward_batch import make_batch
+from engine.core.forward_batch import make_batch
 from engine.memory.kv_pool import KVPool
 
 H, HKV, D, SLOTS = 6, 2, 16, 2000

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import Engine, ModelLoadError
-from engine.forward_batch import make_batch
+from engine.core.forward_batch import make_batch
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM, MoE
 from tests.tiny import make_deepseek_v3, random_prompts, reference_greedy, tiny_runner
 

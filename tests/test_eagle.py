@@ -13,7 +13,7 @@ import torch
 
 from engine.errors import ConfigError, ModelLoadError
 from engine.models.eagle import Eagle3Draft, EagleDraft, eagle3_aux_layers, load_eagle_draft
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from tests import eagle_checkpoints as ckpt
 from tests.dense_draft import DenseDraft
 from tests.tiny import make_model, random_prompts, tiny_engine

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import Engine, ModelLoadError, RequestError
-from engine.forward_batch import make_batch
+from engine.core.forward_batch import make_batch
 from tests.greedy import GREEDY, prompts
 from tests.tiny import make_model, reference_greedy, tiny_runner
 

@@ -1,4 +1,4 @@
-"""Fair shares of the engine (engine/scheduler.py), observed step by step, never by time: running
+"""Fair shares of the engine (engine/core/scheduler.py), observed step by step, never by time: running
 streams decode between any two prefill steps, a short prompt is not held behind a long one prefilled
 in pieces (nor can short prompts stall the long one, which takes an equal part of a step while
 others wait), and one client request's choices cannot hold
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from engine import Engine
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from tests.tiny import make_model, random_prompts
 
 GREEDY = {"temperature": 0, "ignore_eos": True}

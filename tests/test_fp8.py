@@ -16,7 +16,7 @@ from engine import Engine
 from engine.errors import ConfigError, ModelLoadError
 from engine.loader import iter_weights, load_config
 from engine.loader.fp8_quant import E4M3, E4M3_MAX, Fp8Weight, quantize, stored_weight
-from engine.model_runner import load_model
+from engine.core.model_runner import load_model
 from engine.models.fp8 import Fp8Linear, quantize_activations, reference_gemm, scaled_gemm
 from tests.fp8_checkpoints import blockwise, dequantized_reference, save_fp8_checkpoint
 from tests.tiny import make_model, random_prompts, reference_greedy, tiny_engine
@@ -153,7 +153,7 @@ def test_fp8_checkpoint_on_cpu_is_served_dequantized(scheme, float_model, tmp_pa
     """Greedy tokens are the dequantized model's (transformers' own forward), not the float original's."""
     fp8, ref = save_fp8_checkpoint(float_model, tmp_path / "fp8", SCHEMES[scheme])
     prompts = random_prompts(3, seed=6)
-    with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+    with caplog.at_level(logging.INFO, logger="engine.core.model_runner"):
         eng = Engine(model_path=str(fp8), dtype="float32", max_total_tokens=2048)
     assert "FP8 checkpoint" in caplog.text and "dequantized to torch.float32" in caplog.text
     outs = eng.generate(input_ids=prompts, sampling_params=GREEDY)
@@ -262,13 +262,13 @@ def aligned_model(tmp_path_factory):
 def test_speculation_is_lossless_on_fp8_layers(scheme, algo, aligned_model, tmp_path, monkeypatch, caplog):
     """The FP8 layers as a GPU serves them (activations quantized per token), here through the GEMM's
     reference: speculative greedy output equals plain decoding's on the same FP8 target."""
-    from engine import model_runner
+    from engine.core import model_runner
     from tests.drafts import draft_setup
 
     monkeypatch.setattr(model_runner, "_fp8", lambda name, model_dir, device: "fp8")    # the CPU refuses it
     fp8, _ = save_fp8_checkpoint(aligned_model, tmp_path / "fp8", SCHEMES[scheme])
     prompts = random_prompts(3, seed=7) + [[10, 11, 12, 13] * 6]
-    with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+    with caplog.at_level(logging.INFO, logger="engine.core.model_runner"):
         plain = tiny_engine(fp8)
     assert "FP8 layers" in caplog.text and "8 reference" in caplog.text        # 2 layers x 4 linears
     expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=GREEDY)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.model_runner as model_runner
+import engine.core.model_runner as model_runner
 from engine.models import fused_decode
 from spec_kernels import cpu_decoder
 from tests.compiler import needs_compiler

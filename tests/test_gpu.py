@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from engine import Engine
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from tests.drafts import ALGOS, draft_setup
 from tests.tiny import make_model, random_prompts
 
@@ -92,7 +92,7 @@ def test_greedy_identical_on_cuda(algo, shape, mode, target, plain, tmp_path):
 def random_decode_batch(eng: Engine, batch: int, tokens: int, context: int, seed: int):
     """`batch` requests of `tokens` new tokens (a causal tree past one) over `context` cached positions
     of random K/V, on table rows of their own: a decode or verify step as the worker lays it out."""
-    from engine.forward_batch import make_batch
+    from engine.core.forward_batch import make_batch
 
     g = torch.Generator().manual_seed(seed)
     kv, pool = eng.debug.kv, eng.debug.target.kv_pool
@@ -249,7 +249,7 @@ def test_fp8_greedy_identical_on_cuda(algo, weights, aligned_target, tmp_path, c
 
     model = aligned_target if weights == "online" else save_fp8_checkpoint(aligned_target, tmp_path / "fp8", (128, 128))[0]
     kw = {"quantization": "fp8", **MODES["triton-graphs"]}
-    with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+    with caplog.at_level(logging.INFO, logger="engine.core.model_runner"):
         expected = greedy(cuda_engine(model, **kw), prompts())
     capability, cuda = torch.cuda.get_device_capability(), tuple(map(int, torch.version.cuda.split(".")))
     # Row-wise scales from Ada on; torch's blockwise GEMM on Hopper with CUDA 12.9+.

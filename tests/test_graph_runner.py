@@ -1,4 +1,4 @@
-"""The bucketing, padding and replay of decode steps (engine/graph_runner.py), checked on the CPU: the
+"""The bucketing, padding and replay of decode steps (engine/core/graph_runner.py), checked on the CPU: the
 padded batch run eagerly, and a stand-in for CUDA graph capture that replays on the captured (static)
 inputs, so every input a step needs must be copied into them. Outputs stay exactly plain decoding's.
 Start-up captures every shape a step takes, and serving captures none; `auto` picks the fast path."""
@@ -14,7 +14,7 @@ import torch
 
 from engine.attention import resolve_backend
 from engine.config import ServerArgs
-from engine.graph_runner import CudaGraph, StepGraphs, _dummy_batch, _key, buckets, capture_shapes, step_shapes
+from engine.core.graph_runner import CudaGraph, StepGraphs, _dummy_batch, _key, buckets, capture_shapes, step_shapes
 from tests.drafts import ALGOS, draft_setup
 from tests.tiny import make_model, random_prompts, tiny_engine
 
@@ -166,7 +166,7 @@ def test_an_uncaptured_shape_runs_eagerly_once_sealed(target, caplog):
     runner, kv = eng.debug.target, eng.debug.kv
     graphs = StepGraphs(runner.run_model, runner.backend.prepare, 4, kv.pad_row, kv.pad_slot, EagerGraph)
     graphs.sealed = True
-    with torch.inference_mode(), caplog.at_level(logging.DEBUG, logger="engine.graph_runner"):
+    with torch.inference_mode(), caplog.at_level(logging.DEBUG, logger="engine.core.graph_runner"):
         batch = _dummy_batch(kv, 3, 2, None, torch.full((6,), kv.pad_slot, dtype=torch.long))
         assert graphs.bucket(batch) is None
     assert "runs eagerly" in caplog.text

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.forward_batch import make_batch
+from engine.core.forward_batch import make_batch
 from engine.memory.kv_pool import KVPool
 
 paged = pytest.importorskip("spec_kernels.paged_attention")

@@ -12,7 +12,7 @@ import torch
 
 from engine.errors import ConfigError, ModelLoadError
 from engine.models.mtp import MtpDraft, load_mtp_draft
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from tests import eagle_checkpoints as ckpt
 from tests.tiny import make_model, random_prompts, tiny_engine
 

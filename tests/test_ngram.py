@@ -10,10 +10,10 @@ import torch
 
 from engine import Engine
 from engine.config import ServerArgs
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
 from engine.speculative.ngram import NgramDrafter, ngram_tree
-from engine.step import DecodeStep
+from engine.core.step import DecodeStep
 from engine.speculative.ngram_cache import NgramCache
 from tests.tiny import make_model
 

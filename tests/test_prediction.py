@@ -238,7 +238,7 @@ def test_prediction_under_grammar_stop_strings_and_logit_bias(model):
 def test_sampled_output_with_a_prediction_is_the_target_distribution(rule, tmp_path):
     """Two-token continuations of an 8-token-vocabulary target sampled with a prediction of their most
     likely pair: under both rules, the target's exact joint distribution (chi-square)."""
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
     from tests.lossless import SAMPLE_PROMPT, SAMPLES, VOCAB, chi_square_p, exact_two_token_distribution
 
     target = make_model(tmp_path / "small", "llama", seed=5, vocab=VOCAB)

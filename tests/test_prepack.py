@@ -55,7 +55,7 @@ def test_bf16_only_where_the_cpu_computes_it_natively(monkeypatch, native):
     run several times slower than fp32 (AVX2-only CPUs)."""
     import types
 
-    from engine import model_runner
+    from engine.core import model_runner
     from engine.convert import train_eagle3
     from engine.models import prepack
 

@@ -125,7 +125,7 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     and the head as int8, with --dtype float32 the exact dequantized reference; all agree on the logits
     closely."""
     from engine import Engine
-    from engine.forward_batch import make_batch
+    from engine.core.forward_batch import make_batch
     from engine.loader import convert_gguf, iter_weights
     from engine.loader.gguf_quant import gguf_groups
 
@@ -188,7 +188,7 @@ def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tie, tmp_path, monk
     within the activations' int8 rounding; a STANDALONE draft from the same file rounds the Q6_K ones to 4 bits and
     the output stays the target's."""
     from engine import Engine
-    from engine.forward_batch import make_batch
+    from engine.core.forward_batch import make_batch
     from engine.loader import convert_gguf, iter_weights
     from engine.models.quant import GroupEmbedding, MixedLinear, Q5KLinear, Q6KLinear
 

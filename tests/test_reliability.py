@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import Engine
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from tests.drafts import ALGOS, draft_setup
 from tests.tiny import make_model
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.detokenizer import IncrementalDetokenizer
 from engine.errors import RequestError
-from engine.sampling import SamplingBatch, keys, sample_from_probs, uniform
-from engine.sampling_params import SamplingParams
+from engine.core.sampling import SamplingBatch, keys, sample_from_probs, uniform
+from engine.core.sampling_params import SamplingParams
 from tests.compiler import require
 from tests.tiny import target_probs
 

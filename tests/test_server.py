@@ -670,7 +670,7 @@ def test_a_grammar_stops_compiling_when_its_client_leaves(live, monkeypatch):
     """A schema that would compile for minutes (allowed here by raising the depth limit): once its
     client closes the connection, the compiler process is stopped (observed in the worker's count,
     not by timing), and the next grammar compiles in a fresh one."""
-    import engine.grammar as grammar
+    import engine.core.grammar as grammar
 
     monkeypatch.setattr(grammar, "MAX_DEPTH", 10_000)
     backend = live.engine.grammars

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import Engine
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from tests.drafts import ALGOS, draft_setup, module_for
 from tests.lossless import (GREEDY, SAMPLE_PROMPT, SAMPLES, VOCAB, chi_square_p, exact_two_token_distribution, prompts,
                             spec_engine)

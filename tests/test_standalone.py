@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import ConfigError, Engine
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from engine.speculative.draft_tree_search import search_trees, top_k
 from tests.compiler import require
 from tests.greedy import GREEDY, generate, prompts

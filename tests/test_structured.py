@@ -21,9 +21,9 @@ import torch
 
 from engine import Engine
 from engine.errors import RequestError
-from engine.grammar import GrammarBackend, row_bitmask
-from engine.sampling import SamplingBatch
-from engine.sampling_params import SamplingParams
+from engine.core.grammar import GrammarBackend, row_bitmask
+from engine.core.sampling import SamplingBatch
+from engine.core.sampling_params import SamplingParams
 from tests.drafts import ALGOS, draft_setup
 from tests.lossless import VOCAB, chi_square_p, prompts, spec_engine
 from tests.tiny import deep_schema, make_model, make_tokenizer, target_probs
@@ -193,7 +193,7 @@ def test_grammar_errors_name_the_parameter(plain):
 def test_grammars_past_the_limits_are_refused_before_compiling(plain):
     """Nesting past MAX_DEPTH (schemas, regexes) and text past MAX_BYTES: a RequestError naming the
     parameter and the limit, without compiling (a 600-level schema would take minutes)."""
-    import engine.grammar as grammar
+    import engine.core.grammar as grammar
 
     for key, text, limit in (("json_schema", deep_schema(600), "levels"),
                              ("regex", "(" * 100 + "a" + ")" * 100, "levels"),
@@ -208,8 +208,8 @@ def test_grammars_past_the_limits_are_refused_before_compiling(plain):
 def test_compiles_in_the_process_are_cut_short_and_cached(plain, monkeypatch):
     """The server's compiles run in a child process: cancelled (the client left) or past the time
     limit it is killed, and the next compile starts a new one; compiled grammars are kept by text."""
-    import engine.grammar as grammar
-    from engine.grammar_worker import CompileCancelled
+    import engine.core.grammar as grammar
+    from engine.core.grammar_worker import CompileCancelled
 
     backend = GrammarBackend(plain.tokenizer, plain.model_config.vocab_size, plain.eos_ids, compile_timeout=0.0)
     monkeypatch.setattr(grammar, "MAX_DEPTH", 10_000)
@@ -343,7 +343,7 @@ def test_ngram_drafts_only_what_the_grammar_allows(tmp_path):
     them, the unconstrained one does."""
     from engine.speculative.ngram import ngram_tree
     from engine.speculative.ngram_cache import NgramCache
-    from engine.grammar import DraftGrammar
+    from engine.core.grammar import DraftGrammar
 
     tok = make_tokenizer(tmp_path)
     ids = {tok.decode([i]): i for i in range(320)}

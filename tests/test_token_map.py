@@ -88,7 +88,7 @@ def test_unreachable_map_is_refused_before_any_weight_loads(offline_hub, target,
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were loaded before the token map was checked")
 
-    monkeypatch.setattr("engine.model_runner.load_model", no_weights)
+    monkeypatch.setattr("engine.core.model_runner.load_model", no_weights)
     with pytest.raises(ConfigError, match="--speculative-token-map.*unreachable"):
         Engine(model_path=str(target), speculative_algorithm="STANDALONE", speculative_draft_model_path="unused",
                speculative_token_map=HUB_MAP)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.sampling import SamplingBatch, keys
-from engine.sampling_params import SamplingParams
+from engine.core.sampling import SamplingBatch, keys
+from engine.core.sampling_params import SamplingParams
 from engine.speculative.tree import DraftTree, TreeBatch
 from engine.speculative.verify import verify
 from spec_kernels.cpu_keyed_sample import keyed_sample

@@ -134,7 +134,7 @@ def target_probs(logits, params, prompt, output=(), eos_ids=()):
     """The distribution one request samples from after prompt + output, through the engine's sampling."""
     from types import SimpleNamespace
 
-    from engine.sampling import SamplingBatch
+    from engine.core.sampling import SamplingBatch
 
     req = SimpleNamespace(params=params, token_ids=list(prompt) + list(output), prompt_len=len(prompt), seed=0)
     return SamplingBatch([req] * logits.shape[0], list(eos_ids), logits.device).probs(logits)
@@ -146,7 +146,7 @@ def tiny_runner(model_dir, slots: int = 1024, rows: int = 8, dtype=torch.float32
     from engine.loader import load_config
     from engine.memory.kv_manager import KVManager
     from engine.memory.kv_pool import KVPool
-    from engine.model_runner import ModelRunner, kv_layout, load_model
+    from engine.core.model_runner import ModelRunner, kv_layout, load_model
 
     model = load_model(model_dir, load_config(model_dir), dtype, "cpu", 512)
     layers, heads, head_dim = kv_layout(model)

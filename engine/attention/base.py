@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from engine.forward_batch import ForwardBatch
+from engine.core.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

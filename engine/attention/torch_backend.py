@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend
-from engine.forward_batch import ForwardBatch
+from engine.core.forward_batch import ForwardBatch
 from engine.memory.kv_pool import KVPool
-from engine.to_device import ragged_index, to_device
+from engine.core.to_device import ragged_index, to_device
 from spec_kernels import cpu_attention
 
 

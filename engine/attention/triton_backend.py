@@ -11,9 +11,9 @@ from typing import Optional
 import torch
 
 from engine.attention.base import AttentionBackend
-from engine.forward_batch import ForwardBatch
+from engine.core.forward_batch import ForwardBatch
 from engine.memory.kv_pool import KVPool
-from engine.to_device import to_device
+from engine.core.to_device import to_device
 
 
 @dataclass

@@ -18,8 +18,8 @@ from engine.bench import BenchError
 from engine.bench.datasets import Conversation
 from engine.bench.measure import OnTurn, PassResult, SpecCounts, TurnResult
 from engine.config import ServerArgs
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
 
 
 def plain_args(args: ServerArgs) -> ServerArgs:

@@ -13,7 +13,7 @@ from engine.bench.measure import run_session
 from engine.bench.options import BenchOptions
 from engine.bench.summary import compare, summarize
 from engine.config import ServerArgs
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 class Progress(Protocol):
     def phase(self, description: str, total: Optional[int] = None) -> None: ...

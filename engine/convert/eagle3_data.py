@@ -26,7 +26,7 @@ import torch
 
 from engine.convert.data_manifest import prompt_digest, stored_prompts, write_manifest
 from engine.convert.generate import Generation, chat_prompt_ids, generate_groups
-from engine.request import Request
+from engine.core.request import Request
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Callable, Iterator, Optional, Sequence
 
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ def generation_format(model_dir, config, quantization: str, dtype: str, device: 
     """(dtype, weight format) the target answers in, resolved as spec serve resolves its --dtype and
     --quantization: by default the data comes from the target as it is served, whose argmax is what a
     head must predict (a 4-bit GGUF on a CPU: int4; docs/convert.md measures the alternatives)."""
-    from engine.model_runner import resolve_dtype, resolve_quantization
+    from engine.core.model_runner import resolve_dtype, resolve_quantization
 
     quantized = resolve_quantization(quantization, model_dir, device, dtype, config)
     resolved = resolve_dtype(dtype, config, device, quantized=quantized is not None)
@@ -43,7 +43,7 @@ def generation_engine(model: str, batch: int, max_new_tokens: int, dtype: str, d
     the target in generation_format's dtype and weight format."""
     from engine import Engine
     from engine.loader import load_config, resolve_model_path
-    from engine.model_runner import resolve_device
+    from engine.core.model_runner import resolve_device
 
     model_dir = resolve_model_path(model)
     dtype, quantization = generation_format(model_dir, load_config(model_dir), quantization, dtype,

@@ -103,7 +103,7 @@ class Silent:
 def train(opts: TrainOptions, progress: Optional[Progress] = None) -> dict:
     """Generate (or reuse) the data, train, save; returns the report also written as training_report.json."""
     from engine.loader import load_config, resolve_model_path
-    from engine.model_runner import resolve_device
+    from engine.core.model_runner import resolve_device
 
     progress = progress or Silent()
     if opts.intermediate_size is not None and opts.intermediate_size % 32:

@@ -172,7 +172,7 @@ def serve_node(args: ServerArgs, engine_class: EngineClass) -> int:
 
 
 def _device(args: ServerArgs) -> str:
-    from engine.model_runner import resolve_device
+    from engine.core.model_runner import resolve_device
 
     device = resolve_device(args.device)
     if device == "cuda" and torch.cuda.device_count() < args.ranks_per_node:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from engine.distributed import group
 from engine.distributed.group import Group
 from engine.errors import DistributedError, SpecError
-from engine.forward_batch import ForwardBatch
+from engine.core.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ import torch
 from engine.memory.budget import KVBudget
 from engine.memory.kv_pool import TokenSlotAllocator
 from engine.memory.radix_cache import RadixCache
-from engine.request import Request
-from engine.to_device import to_device
+from engine.core.request import Request
+from engine.core.to_device import to_device
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 

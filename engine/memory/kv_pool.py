@@ -5,7 +5,7 @@ live at the same slot number (engine/memory/kv_manager.py owns who holds which).
 
 Slot 0 is never handed out: it stays zero and pads gathers, so a padded row attends to finite values
 that its mask then hides. Nor is slot size + 1, where rows added to pad a batch to a fixed shape
-(engine/graph_runner.py) write their K/V. Freeing a request's rejected or finished tokens is returning their slot
+(engine/core/graph_runner.py) write their K/V. Freeing a request's rejected or finished tokens is returning their slot
 numbers to the free list; no KV is ever copied (but a STANDALONE draft's parked root: speculative/standalone.py).
 """
 

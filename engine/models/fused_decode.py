@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from engine.attention.torch_backend import KeyLists
-from engine.forward_batch import ForwardBatch
+from engine.core.forward_batch import ForwardBatch
 from engine.memory.kv_pool import KVPool
 from spec_kernels import cpu_decoder
 

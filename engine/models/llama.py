@@ -16,7 +16,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.distributed import group as tp
 from engine.distributed.sharding import local_weights
-from engine.forward_batch import ForwardBatch
+from engine.core.forward_batch import ForwardBatch
 from engine.loader.fp8_quant import cat_rows
 from engine.models import fused_decode
 from engine.models.prepack import PrepackedLinear, prepack_linears
@@ -50,7 +50,7 @@ class Rotary(nn.Module):
 
     def build(self, device) -> None:
         """(Re)compute the tables onto `device`: a model built on the meta device calls it once the
-        device is known (engine/model_runner.py: materialize)."""
+        device is known (engine/core/model_runner.py: materialize)."""
         # Computed on the CPU whatever the device (transformers' rope-scaling init functions make
         # tensors of the default device and mix them with CPU ones), then moved there.
         config, head_dim = self.config, self.head_dim

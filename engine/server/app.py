@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.config import ServerArgs
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from engine.server import logprobs as lp_format
 from engine.server import openai_api, tool_calls
 from engine.server.errors import APIError, error_response, error_responses, install_error_handlers

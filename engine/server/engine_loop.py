@@ -18,7 +18,7 @@ from typing import AsyncIterator, Callable, Optional, Sequence
 
 from engine.engine import Engine
 from engine.errors import DistributedError
-from engine.request import Request
+from engine.core.request import Request
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from engine.errors import RequestError
-from engine.grammar_worker import CompileCancelled
+from engine.core.grammar_worker import CompileCancelled
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from engine.sampling_params import (CONSTRAINTS, INT_MAX, LOGIT_BIAS, MAX_LOGIT_BIAS, MAX_STOP_CHARS,
+from engine.core.sampling_params import (CONSTRAINTS, INT_MAX, LOGIT_BIAS, MAX_LOGIT_BIAS, MAX_STOP_CHARS,
                                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES, text_problem)
 
 
@@ -201,7 +201,7 @@ class Prediction(APIBody):
 
 
 def ranged(name: str, default: Any = None) -> Any:
-    """A sampling number's field, with the range the engine checks (engine/sampling_params.py RANGES)."""
+    """A sampling number's field, with the range the engine checks (engine/core/sampling_params.py RANGES)."""
     return Field(default=default, **RANGES[name].bounds())
 
 
@@ -232,7 +232,7 @@ def together(**conditions: dict) -> dict:
 
 
 def grammar_refused(grammars: tuple[str, ...], min_tokens: str) -> list[dict]:
-    """One grammar at a time, and the grammar decides where the output ends (engine/sampling_params.py)."""
+    """One grammar at a time, and the grammar decides where the output ends (engine/core/sampling_params.py)."""
     return [together(**{a: GIVEN, b: GIVEN}) for i, a in enumerate(grammars) for b in grammars[i + 1:]] + [
         together(**{g: GIVEN, other: value})
         for g in grammars for other, value in (("ignore_eos", ON), (min_tokens, SOME))]
@@ -366,7 +366,7 @@ class CompletionRequest(_OpenAISampling):
 
 
 class SGLangSampling(APIBody):
-    """/generate's sampling_params: SGLang's names (engine/sampling_params.py); null is the default."""
+    """/generate's sampling_params: SGLang's names (engine/core/sampling_params.py); null is the default."""
     REFUSED = grammar_refused(CONSTRAINTS, "min_new_tokens")
     max_new_tokens: OptInt = ranged("max_new_tokens")
     min_new_tokens: OptInt = ranged("min_new_tokens")

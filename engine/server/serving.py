@@ -19,8 +19,8 @@ from fastapi.responses import StreamingResponse
 from engine.config import ServerArgs
 from engine.engine import Engine
 from engine.errors import RequestError
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
 from engine.server.engine_loop import SHUTTING_DOWN, EngineLoop, Submission, finish_type
 from engine.server.errors import APIError, error_body
 from engine.server.metrics import ServerMetrics
@@ -84,7 +84,7 @@ class Serving:
         `sampling` holds SGLang sampling_params, one dict for all prompts or one per prompt; `names` maps
         their names to the route's own (max_new_tokens -> max_tokens) for error messages; `options`
         are Engine.make_request's (return_logprob, top_logprobs_num). Grammars compile in the compiler
-        process (engine/grammar_worker.py), waited for off the event loop, and stopped when the `http`
+        process (engine/core/grammar_worker.py), waited for off the event loop, and stopped when the `http`
         client goes away (CompileCancelled)."""
         names = names or {}
         if not prompts:

@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from engine.speculative.tree import TreeBatch
-from engine.to_device import to_device
+from engine.core.to_device import to_device
 
 # expand(depth, tokens [B, k], parents [B, k]) -> draft scores [B, k, V] over the target vocabulary:
 # feeds the frontier at `depth` (its parents' indices in the previous frontier; 0 at depth 1, the root).

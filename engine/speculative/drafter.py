@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from engine.model_runner import ForwardOutput
-from engine.request import Request
+from engine.core.model_runner import ForwardOutput
+from engine.core.request import Request
 from engine.speculative.tree import TreeBatch
-from engine.step import DecodeStep, PrefillStep
+from engine.core.step import DecodeStep, PrefillStep
 
 
 class Drafter:

@@ -27,19 +27,19 @@ from torch import nn
 from engine.attention import create_backend
 from engine.config import ServerArgs
 from engine.errors import ConfigError
-from engine.forward_batch import ForwardBatch, make_batch
+from engine.core.forward_batch import ForwardBatch, make_batch
 from engine.loader import resolve_model_path
 from engine.memory.kv_pool import KVPool
-from engine.model_runner import ForwardOutput, kv_layout
+from engine.core.model_runner import ForwardOutput, kv_layout
 from engine.models.eagle import load_eagle_draft
 from engine.models.mtp import load_mtp_draft
-from engine.request import Request
+from engine.core.request import Request
 from engine.speculative.draft_tree_search import search_trees
 from engine.speculative.model_drafter import ModelDrafter
 from engine.speculative.token_map import load_token_map
 from engine.speculative.tree import TreeBatch
-from engine.step import DecodeStep, PrefillStep
-from engine.to_device import to_device
+from engine.core.step import DecodeStep, PrefillStep
+from engine.core.to_device import to_device
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def _head_quantization(args: ServerArgs, target: nn.Module, target_dir, device: 
     layers (its layers then run in the target's kernel: faster EAGLE-3 steps at the same accept length,
     docs/convert.md; drafts never change the output), else
     the checkpoint's own weights."""
-    from engine.model_runner import resolve_quantization
+    from engine.core.model_runner import resolve_quantization
     from engine.models.quant import W4A8Linear
 
     name = args.speculative_draft_model_quantization

@@ -17,15 +17,15 @@ from typing import Optional, Sequence
 
 import torch
 
-from engine.forward_batch import ForwardBatch, make_batch
-from engine.request import Request
-from engine.sampling import SamplingBatch, sample_from_probs
+from engine.core.forward_batch import ForwardBatch, make_batch
+from engine.core.request import Request
+from engine.core.sampling import SamplingBatch, sample_from_probs
 from engine.speculative.draft_tree_search import Draw, search_trees
 from engine.speculative.drafter import Drafter
 from engine.speculative.tree import TreeBatch
 from engine.speculative.verify import sampling_rule
-from engine.step import DecodeStep
-from engine.to_device import to_device
+from engine.core.step import DecodeStep
+from engine.core.to_device import to_device
 from spec_kernels.cpu_keyed_sample import keyed_sample
 
 # Uniform streams for tokens drafted for rejection sampling, apart from verification's (0 for the

@@ -35,12 +35,12 @@ from operator import itemgetter
 from typing import Callable, Optional, Sequence
 
 from engine.config import ServerArgs
-from engine.grammar import DraftGrammar
-from engine.request import Request
+from engine.core.grammar import DraftGrammar
+from engine.core.request import Request
 from engine.speculative.drafter import Drafter
 from engine.speculative.ngram_cache import NgramCache
 from engine.speculative.tree import DraftTree, TreeBatch
-from engine.step import DecodeStep
+from engine.core.step import DecodeStep
 
 
 def ngram_tree(cache: NgramCache, context: Sequence[int], steps: int, budget: int,

@@ -24,12 +24,12 @@ from weakref import WeakKeyDictionary
 
 from engine.config import ServerArgs
 from engine.memory.kv_manager import KVManager
-from engine.request import Request
+from engine.core.request import Request
 from engine.speculative.cost import StepCost
 from engine.speculative.prediction import ANCHOR_MAX, chain_length
 from engine.speculative.sizing import START_ALPHA, Acceptance, draft_sizes, worth_exploring
-from engine.step import DecodeStep, StepResult
-from engine.worker import Worker
+from engine.core.step import DecodeStep, StepResult
+from engine.core.worker import Worker
 
 # A request kept from drafting tries again after this many decode steps, times a quarter of the batch,
 # so that about one request in four steps explores; a draft model's catch-up is priced over at most

@@ -30,14 +30,14 @@ from torch import nn
 from engine.attention import create_backend
 from engine.config import ServerArgs
 from engine.errors import ConfigError, ModelLoadError
-from engine.forward_batch import ForwardBatch, make_batch
+from engine.core.forward_batch import ForwardBatch, make_batch
 from engine.loader import load_config, load_tokenizer, resolve_model_path
 from engine.memory.kv_pool import KVPool
-from engine.model_runner import ForwardOutput, ModelRunner, kv_layout, load_model
+from engine.core.model_runner import ForwardOutput, ModelRunner, kv_layout, load_model
 from engine.speculative.model_drafter import ModelDrafter
 from engine.speculative.token_map import HotVocabHead, load_token_map
-from engine.step import DecodeStep, PrefillStep
-from engine.to_device import to_device
+from engine.core.step import DecodeStep, PrefillStep
+from engine.core.to_device import to_device
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def load_draft(args: ServerArgs, target: nn.Module, target_dir, dtype: torch.dty
     draft_dir = resolve_model_path(args.speculative_draft_model_path, args.speculative_draft_model_revision)
     config = load_config(draft_dir, args.trust_remote_code)
     check_same_vocabulary(args, target.config, target_dir, draft_dir, config)
-    from engine.model_runner import resolve_quantization
+    from engine.core.model_runner import resolve_quantization
     from engine.models.quant import quantize_draft_head
 
     quantization = resolve_quantization(args.speculative_draft_model_quantization, draft_dir, device, args.dtype,

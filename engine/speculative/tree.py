@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from engine.to_device import to_device
+from engine.core.to_device import to_device
 
 
 @dataclass

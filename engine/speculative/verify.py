@@ -24,9 +24,9 @@ from typing import Sequence
 
 import torch
 
-from engine.sampling import SamplingBatch, sample_from_probs
+from engine.core.sampling import SamplingBatch, sample_from_probs
 from engine.speculative.tree import TreeBatch
-from engine.to_device import to_device
+from engine.core.to_device import to_device
 from spec_kernels.cpu_argmax import argmax
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from engine.request import Request
+from engine.core.request import Request
 
 
 @dataclass

@@ -25,14 +25,14 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 
 from engine.config import ServerArgs
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.detokenizer import IncrementalDetokenizer
 from engine.errors import DistributedError
 from engine.memory.kv_manager import KVManager
-from engine.request import FinishReason, Request, Status
+from engine.core.request import FinishReason, Request, Status
 from engine.speculative.planner import PlannerFactory
 from engine.speculative.stats import SpecStats
-from engine.step import DecodeStep, PrefillStep, StepResult
-from engine.worker import Worker
+from engine.core.step import DecodeStep, PrefillStep, StepResult
+from engine.core.worker import Worker
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from engine.errors import RequestError
-from engine.grammar_worker import CompileWorker, compile_constraint
+from engine.core.grammar_worker import CompileWorker, compile_constraint
 
 # Limits checked before compiling: compile time grows steeply with nesting (a JSON schema 600 levels
 # deep takes tens of seconds, deeper ones minutes), so deeper ones are refused at once. MAX_DEPTH counts
@@ -38,7 +38,7 @@ CACHE_ENTRIES = 64
 class GrammarBackend:
     """Compiles constraints for one tokenizer and vocabulary, within the limits above and, for the
     server, in a child process that is cut short at `compile_timeout` seconds or when the client goes
-    (engine/grammar_worker.py). Thread-safe: the server compiles off the engine thread."""
+    (engine/core/grammar_worker.py). Thread-safe: the server compiles off the engine thread."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: Sequence[int], *, enabled: bool = True,
                  any_whitespace: bool = True, compile_timeout: float = 10.0):

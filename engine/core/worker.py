@@ -17,15 +17,15 @@ from typing import Optional, Sequence
 
 import torch
 
-from engine.forward_batch import make_batch
-from engine.model_runner import ForwardOutput, ModelRunner
-from engine.grammar import row_bitmask
-from engine.sampling import PathTokens, SamplingBatch, unpack_logprobs
+from engine.core.forward_batch import make_batch
+from engine.core.model_runner import ForwardOutput, ModelRunner
+from engine.core.grammar import row_bitmask
+from engine.core.sampling import PathTokens, SamplingBatch, unpack_logprobs
 from engine.speculative.drafter import Drafter
 from engine.speculative.tree import TreeBatch
 from engine.speculative.verify import sampling_rule, verify
-from engine.step import DecodeStep, PrefillStep, StepResult
-from engine.to_device import ragged_index, to_device
+from engine.core.step import DecodeStep, PrefillStep, StepResult
+from engine.core.to_device import ragged_index, to_device
 from spec_kernels import cpu_argmax
 
 

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.forward_batch import ForwardBatch
+from engine.core.forward_batch import ForwardBatch
 from engine.progress import progress
 
 log = logging.getLogger(__name__)
@@ -235,7 +235,7 @@ def _dummy_batch(kv, size: int, n: int, masks: Optional[bool], slots: torch.Tens
     """`size` requests of n tokens on the padding row and slot: a batch of nothing but padding. Its
     cached prefix (the padding row's zero slots) is a few tokens long, as a real one is: a length of 1
     would be compiled as a special case."""
-    from engine.forward_batch import make_batch
+    from engine.core.forward_batch import make_batch
 
     device = kv.table.device
     tree = torch.ones((size, n, n), dtype=torch.bool, device=device).tril() if masks else None

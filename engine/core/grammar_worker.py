@@ -1,6 +1,6 @@
 """Grammar compilation in a child process, so that a compile can be cut short: xgrammar's compile
 cannot be interrupted on a thread, and a schema within the size limits may still take long. The server
-compiles here (engine/grammar.py sends it); past `--grammar-compile-timeout`, or once the request's
+compiles here (engine/core/grammar.py sends it); past `--grammar-compile-timeout`, or once the request's
 client has gone, the child is killed, and the next compile starts a new one.
 
 The child holds an xgrammar compiler for the model's tokenizer (sent once, serialized) and answers

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine.errors import ConfigError, ModelLoadError
-from engine.forward_batch import ForwardBatch
+from engine.core.forward_batch import ForwardBatch
 from engine.loader.fp8_quant import checkpoint_of
 from engine.memory.kv_pool import KVPool
 from engine.models import model_class
@@ -191,7 +191,7 @@ class ForwardOutput:
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_pool: KVPool, backend):
         self.model, self.kv_pool, self.backend = model, kv_pool, backend
-        self.graphs = None          # StepGraphs for decode steps (engine/graph_runner.py), when enabled
+        self.graphs = None          # StepGraphs for decode steps (engine/core/graph_runner.py), when enabled
         self.leader = None          # tensor parallelism's rank 0 (engine/distributed/mirror.py), when on
 
     def run_model(self, batch: ForwardBatch):

@@ -36,7 +36,7 @@ RANGES = {
     "seed": Range(-2 ** 63, 2 ** 63 - 1, True),
 }
 LOGIT_BIAS = Range(-100.0, 100.0)
-# Grammar constraints (SGLang's names), at most one per request; compiled by engine/grammar.py.
+# Grammar constraints (SGLang's names), at most one per request; compiled by engine/core/grammar.py.
 CONSTRAINTS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 

@@ -11,9 +11,9 @@ from typing import Sequence
 
 import torch
 
-from engine.forward_batch import make_batch
+from engine.core.forward_batch import make_batch
 from engine.memory.kv_manager import KVManager
-from engine.model_runner import ModelRunner
+from engine.core.model_runner import ModelRunner
 
 ROWS = (1, 2, 4, 8, 16, 32)
 REPEATS = 2         # the fastest of these, after one forward that warms each shape

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):
@@ -62,7 +62,7 @@ class Request:
     checked_text_len: int = 0                  # text already searched for stop strings
     stop_text_cut: Optional[int] = None        # where a matched stop string starts in `text`
 
-    # Structured output: an xgrammar GrammarMatcher at the state of the committed tokens (engine/grammar.py).
+    # Structured output: an xgrammar GrammarMatcher at the state of the committed tokens (engine/core/grammar.py).
     grammar: object = field(default=None, repr=False)
     # Logprobs of the output tokens, when asked: per token (logprob, [(token id, logprob)] best first).
     return_logprob: bool = False

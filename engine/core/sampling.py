@@ -20,14 +20,14 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.to_device import to_device
+from engine.core.sampling_params import SamplingParams
+from engine.core.to_device import to_device
 from spec_kernels.cpu_argmax import argmax
 from spec_kernels.cpu_keyed_sample import GOLDEN, keyed_sample, mix, shr
 
 
 class Sampled(Protocol):
-    """What sampling reads of a request (engine.request.Request has it)."""
+    """What sampling reads of a request (engine.core.request.Request has it)."""
     params: SamplingParams
     token_ids: list[int]
     prompt_len: int
@@ -46,7 +46,7 @@ class SamplingBatch:
     def __init__(self, reqs: Sequence[Sampled], eos_ids: Sequence[int], device, *,
                  rows_per_req: Optional[Sequence[int]] = None, depth: Optional[torch.Tensor] = None,
                  paths: Optional[PathTokens] = None, bitmask: Optional[tuple[torch.Tensor, list[int]]] = None):
-        """bitmask: grammar masks (engine/grammar.py row_bitmask): [R, words] on the host, and the rows
+        """bitmask: grammar masks (engine/core/grammar.py row_bitmask): [R, words] on the host, and the rows
         they constrain."""
         self.reqs, self.eos_ids, self.device = list(reqs), list(eos_ids), device
         self.rows_per_req = list(rows_per_req) if rows_per_req is not None else [1] * len(reqs)
@@ -134,7 +134,7 @@ class SamplingBatch:
                 sub = logits[rows]
                 sub[:, ids] += to_device(list(p.logit_bias.values()), logits.device)
         if self.bitmask is not None:
-            from engine.grammar import apply_bitmask
+            from engine.core.grammar import apply_bitmask
 
             apply_bitmask(logits, *self.bitmask)
         return logits
