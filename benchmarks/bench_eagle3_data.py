@@ -41,8 +41,8 @@ def main() -> None:
         torch.set_num_threads(a.threads)
 
     import engine
-    from engine.convert.eagle3_data import take_sample
-    from engine.convert.generate import Generation, chat_prompt_ids, generate_groups, generation_engine
+    from spec_tools.convert.eagle3_data import take_sample
+    from spec_tools.convert.generate import Generation, chat_prompt_ids, generate_groups, generation_engine
     from engine.core.model_runner import resolve_dtype, resolve_quantization
     from engine.models.eagle import eagle3_aux_layers
 
@@ -59,7 +59,7 @@ def main() -> None:
         samples += sum(take_sample(r) is not None for r in reqs)
     took = time.perf_counter() - started
     try:        # the new checkout resolves the generating target's format itself
-        from engine.convert.generate import generation_format
+        from spec_tools.convert.generate import generation_format
     except ImportError:  # the old one generated as spec serve resolves it
         def generation_format(model_dir, config, quantization, dtype, device):
             quant = resolve_quantization(quantization, model_dir, device, dtype, config)

@@ -27,7 +27,7 @@ def main() -> None:
     model = ap.parse_args().model
     torch.set_num_threads(1)
     from engine import Engine
-    from engine.convert.generate import chat_prompt_ids
+    from spec_tools.convert.generate import chat_prompt_ids
 
     rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines()[:PROMPTS]]
     answers = {}

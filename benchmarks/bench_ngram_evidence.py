@@ -36,7 +36,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from engine import Engine
-    from engine.bench.offline import ChatEncoder
+    from spec_tools.bench.offline import ChatEncoder
 
     eng = Engine(model_path=args.model, num_threads=args.threads, log_level="warning",
                  speculative_algorithm="NGRAM", speculative_adaptive="off")

@@ -7,7 +7,7 @@ beside llama.cpp's plain decode speed on the same GGUF file.
 
 Greedy, batch 1, the defaults otherwise. Each case is one `spec bench --use-prediction` run (the two
 passes interleaved in chunks, one Engine); the code-edit prompts are edits of Python standard-library
-functions of 30-150 lines (engine/bench/code_edit.py), the prediction the function as it stands.
+functions of 30-150 lines (spec_tools/bench/code_edit.py), the prediction the function as it stands.
 llama.cpp: `llama-bench -p 0 -n 256`, decode after an empty prompt (its speed only falls as the context
 grows, so this flatters llama.cpp against edits of 30-150 lines; its `-d` depth option died with SIGILL
 on the AMX Xeon VM), built as benchmarks/bench_llamacpp.py builds it. Run it alone: a second busy process on 2
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench_llamacpp import build_llama_cpp, cpu_flags, llama_bench  # noqa: E402  (benchmarks/ is run as a script folder)
 
-from engine.bench.code_edit import code_edit_rows
+from spec_tools.bench.code_edit import code_edit_rows
 
 
 def write_rows(path: Path, rows, unrelated: bool) -> None:
@@ -36,8 +36,8 @@ def write_rows(path: Path, rows, unrelated: bool) -> None:
 
 
 def spec_case(model: str, algo: str, dataset: Path, max_new: int) -> dict:
-    from engine.bench.options import BenchOptions
-    from engine.bench.run import run_bench
+    from spec_tools.bench.options import BenchOptions
+    from spec_tools.bench.run import run_bench
     from engine.config import ServerArgs
 
     args = ServerArgs(model_path=model, speculative_algorithm=None if algo == "none" else algo)

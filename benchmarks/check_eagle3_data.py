@@ -29,7 +29,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from engine import Engine
-    from engine.convert.eagle3_data import HEALTHY_AGREEMENT, answer_agreement, load_samples
+    from spec_tools.convert.eagle3_data import HEALTHY_AGREEMENT, answer_agreement, load_samples
 
     spec = json.loads((a.data_dir / "manifest.json").read_text())["spec"]
     samples = load_samples([(a.data_dir / f"shard_{a.shard:05d}.pt", a.n)])

@@ -12,8 +12,8 @@ from typing import Annotated, Literal, Optional
 import typer
 from rich.console import Console
 
-from engine.bench.datasets import DATASET_NAMES
-from engine.bench.options import BenchOptions
+from spec_tools.bench.datasets import DATASET_NAMES
+from spec_tools.bench.options import BenchOptions
 from engine.config import ServerArgs
 from spec_cli.args import server_args_options
 from spec_cli.errors import reports_user_errors
@@ -92,8 +92,8 @@ def bench(
       spec bench --model M --draft D --algo EAGLE3 --dataset gsm8k --output run.json --plot run.png
       spec bench --url http://127.0.0.1:30000 --max-concurrency 4
     """
-    from engine.bench.report import BarProgress, plot_bench, print_bench, require_matplotlib, write_json
-    from engine.bench.run import run_bench
+    from spec_tools.bench.report import BarProgress, plot_bench, print_bench, require_matplotlib, write_json
+    from spec_tools.bench.run import run_bench
 
     if plot is not None:
         require_matplotlib()     # before the run, not after it

@@ -1,6 +1,6 @@
 """`spec convert`: FR-Spec token maps, EAGLE / EAGLE-3 draft conversion, and EAGLE-3 head training.
 
-The work lives in engine/convert/; these commands parse options, show progress and print reports.
+The work lives in spec_tools/convert/; these commands parse options, show progress and print reports.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def token_map(
       spec convert token-map --model M --dataset gsm8k --from-generations -n 500 --size 16384
     """
     from engine.build import eos_token_ids
-    from engine.convert import magpie
-    from engine.convert.token_map import (build_token_map, chat_special_ids, corpus_counts, coverage,
+    from spec_tools.convert import magpie
+    from spec_tools.convert.token_map import (build_token_map, chat_special_ids, corpus_counts, coverage,
                                           generation_counts, save_token_map)
     from engine.loader import load_config, load_tokenizer, resolve_model_path
 
@@ -93,8 +93,8 @@ def token_map(
 
         torch.set_num_threads(threads)
     if from_generations:
-        from engine.convert.corpus import load_prompts, written_share
-        from engine.convert.generate import Generation, generation_engine
+        from spec_tools.convert.corpus import load_prompts, written_share
+        from spec_tools.convert.generate import Generation, generation_engine
 
         engine = generation_engine(model, gen_batch, max_new_tokens, dtype, device)
         written = {}
@@ -164,7 +164,7 @@ def draft(
       spec convert draft ./eagle3 --model M --token-map freq_16384.pt -o drafts/eagle3-16k
       spec convert draft ./eagle-ckpt --model M --check
     """
-    from engine.convert.draft_io import apply_token_map, read_draft, validate, write_draft
+    from spec_tools.convert.draft_io import apply_token_map, read_draft, validate, write_draft
     from engine.loader import iter_weights, load_config, resolve_model_path
     from engine.speculative.token_map import load_token_map
 
@@ -272,7 +272,7 @@ def train_eagle3(
       spec convert train-eagle3 --model M -o heads/m --prompts sharegpt --num-prompts 20000 --epochs 2
       spec convert train-eagle3 --model M -o heads/m --resume
     """
-    from engine.convert.train_eagle3 import TrainOptions, train
+    from spec_tools.convert.train_eagle3 import TrainOptions, train
 
     opts = TrainOptions(model=model, output=output, prompts=tuple(prompts or TrainOptions.prompts),
                         num_prompts=num_prompts, max_new_tokens=max_new_tokens, temperature=temperature,

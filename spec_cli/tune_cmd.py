@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from engine.bench import BenchError
-from engine.bench.options import TuneOptions
+from spec_tools.bench import BenchError
+from spec_tools.bench.options import TuneOptions
 from engine.config import ServerArgs
 from spec_cli.args import server_args_options
 from spec_cli.bench_cmd import Dataset, DatasetPath, MaxNewTokens, NumPrompts, Temperature
@@ -78,8 +78,8 @@ def tune(
       spec tune --model smollm2-135m --algo NGRAM --batch-sizes 1,4 --save tuned.yaml
       spec tune --model M --draft D --algo EAGLE3 --search-steps 3,5,7 --search-topk 1,4,8 --time-budget 1800
     """
-    from engine.bench.report import BarProgress, print_tune, write_json
-    from engine.bench.tune import run_tune, save_config
+    from spec_tools.bench.report import BarProgress, print_tune, write_json
+    from spec_tools.bench.tune import run_tune, save_config
 
     opts = TuneOptions(int_list(search_steps, "--search-steps"), int_list(search_topk, "--search-topk"),
                        int_list(search_draft_tokens, "--search-draft-tokens"), int_list(batch_sizes, "--batch-sizes"),

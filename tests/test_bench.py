@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from engine.bench import BenchError
-from engine.bench.datasets import datasets_dirs, interleave_categories, load_conversations
-from engine.bench.measure import SpecCounts, TurnResult
-from engine.bench.summary import decode_speed
+from spec_tools.bench import BenchError
+from spec_tools.bench.datasets import datasets_dirs, interleave_categories, load_conversations
+from spec_tools.bench.measure import SpecCounts, TurnResult
+from spec_tools.bench.summary import decode_speed
 from spec_cli.main import app
 from tests.tiny import make_model
 
@@ -102,7 +102,7 @@ def test_other_formats(tmp_path):
 
 
 def test_interleave_categories_takes_each_in_turn():
-    from engine.bench.datasets import Conversation
+    from spec_tools.bench.datasets import Conversation
 
     rows = [Conversation(str(i), cat, ("x",), i) for i, cat in enumerate("aaabbc")]
     assert [c.category for c in interleave_categories(rows, None)] == list("abcaba")
@@ -172,7 +172,7 @@ def test_offline_compare_baseline(model_dir, questions, tmp_path):
 
 
 def test_second_turn_follows_the_models_own_answer(model_dir, questions):
-    from engine.bench.offline import OfflineBackend
+    from spec_tools.bench.offline import OfflineBackend
     from engine.engine import Engine
 
     engine = Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=4096)

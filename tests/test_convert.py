@@ -13,7 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from engine import Engine
-from engine.convert.token_map import build_token_map, chat_special_ids, count_ids, coverage, eagle3_vocab
+from spec_tools.convert.token_map import build_token_map, chat_special_ids, count_ids, coverage, eagle3_vocab
 from engine.loader import load_tokenizer
 from engine.speculative.token_map import load_token_map
 from spec_cli.main import app
@@ -125,7 +125,7 @@ def test_map_from_generations(target, tmp_path):
 
 
 def test_map_from_prompts_the_target_writes(target, tmp_path, monkeypatch):
-    from engine.convert import magpie
+    from spec_tools.convert import magpie
 
     written = []
     monkeypatch.setattr(magpie, "write_prompts", lambda engine, count, settings, group, on_kept=None:

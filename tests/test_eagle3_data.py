@@ -1,4 +1,4 @@
-"""EAGLE-3 training data that accumulates (engine/convert/eagle3_data.py): a larger -n answers only the
+"""EAGLE-3 training data that accumulates (spec_tools/convert/eagle3_data.py): a larger -n answers only the
 new prompts, a smaller one reads a prefix without generating, and data made from other prompts or
 settings is refused saying what differs; training resumes onto the grown data."""
 
@@ -11,11 +11,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.convert import ConvertError, generate
-from engine.convert import train_eagle3 as te
-from engine.convert.corpus import load_prompts, written_share
-from engine.convert.data_manifest import data_shards
-from engine.convert.train_eagle3 import Silent, _aux_layers, _data, train
+from spec_tools.convert import ConvertError, generate
+from spec_tools.convert import train_eagle3 as te
+from spec_tools.convert.corpus import load_prompts, written_share
+from spec_tools.convert.data_manifest import data_shards
+from spec_tools.convert.train_eagle3 import Silent, _aux_layers, _data, train
 from engine.loader import load_config
 from tests.training import options, write_prompts
 
@@ -30,7 +30,7 @@ def answered(monkeypatch):
         asked.append(len(prompt_ids))
         yield from real(engine, prompt_ids, *args, **kw)
 
-    monkeypatch.setattr("engine.convert.eagle3_data.generate_groups", counting)
+    monkeypatch.setattr("spec_tools.convert.eagle3_data.generate_groups", counting)
     return asked
 
 
@@ -79,7 +79,7 @@ def test_data_made_otherwise_is_refused_saying_what_differs(target, tmp_path, an
 
 
 def test_other_settings_are_refused_before_magpie_writes_prompts(target, tmp_path, monkeypatch):
-    from engine.convert import magpie
+    from spec_tools.convert import magpie
 
     calls = []
 
@@ -147,7 +147,7 @@ def test_prompts_without_a_sample_are_skipped_by_offset(tmp_path):
 def test_prompt_mixes_are_prefix_stable(tmp_path):
     """The prompts of a larger -n begin with those of a smaller one, for every mix of sources (magpie's
     list, written per run, takes its share of -n, as train_eagle3 asks it)."""
-    from engine.convert import magpie
+    from spec_tools.convert import magpie
 
     file = write_prompts(tmp_path / "p.txt", 50)
     written = [f"written request {i}" for i in range(400)]
@@ -219,7 +219,7 @@ def test_command_line_grows_the_data_and_refuses_other_settings(target, tmp_path
 def test_the_next_group_runs_before_a_group_is_handed_back(target):
     """Groups come back in order with their own requests, but the batch does not drain at a group's
     end: the next group is already queued (and the answers are those of one big group)."""
-    from engine.convert.generate import Generation, generate_groups, generation_engine
+    from spec_tools.convert.generate import Generation, generate_groups, generation_engine
 
     engine = generation_engine(str(target), 2, 12, "float32", "cpu")
     prompts = [[5 + i, 6, 7, 8 + i] for i in range(6)]
@@ -236,7 +236,7 @@ def test_the_next_group_runs_before_a_group_is_handed_back(target):
 def test_a_gguf_generates_as_served_unless_asked(tmp_path, monkeypatch):
     """auto answers as spec serve would serve a 4-bit GGUF (its own 4-bit groups, the head's on-policy
     data); float32 stays the exact reference; an explicit format (the faster dense bf16) is kept."""
-    from engine.convert.generate import generation_format
+    from spec_tools.convert.generate import generation_format
     from engine.loader import convert_gguf
     from engine.models.prepack import native_bf16
     from spec_kernels import cpu_w4a8
@@ -259,7 +259,7 @@ def test_a_gguf_generates_as_served_unless_asked(tmp_path, monkeypatch):
 def test_answers_that_are_not_the_targets_are_refused(target, tmp_path, monkeypatch):
     """After generating, a few new samples go back through the target: fp32 data agrees everywhere,
     data whose stored argmax is not the target's is refused before any training."""
-    from engine.convert import eagle3_data
+    from spec_tools.convert import eagle3_data
 
     prompts = write_prompts(tmp_path / "p.txt", 6)
     opts = options(target, tmp_path / "head", prompts, num_prompts=6, gen_batch=2, max_new_tokens=8)

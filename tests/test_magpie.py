@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import pytest
 
-from engine.convert import ConvertError, magpie
-from engine.convert.generate import chat_prompt_ids
-from engine.convert.train_eagle3 import Silent, _aux_layers, _data
+from spec_tools.convert import ConvertError, magpie
+from spec_tools.convert.generate import chat_prompt_ids
+from spec_tools.convert.train_eagle3 import Silent, _aux_layers, _data
 from engine.loader import load_config, load_tokenizer
 from tests.training import options, write_prompts
 

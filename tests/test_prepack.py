@@ -56,7 +56,7 @@ def test_bf16_only_where_the_cpu_computes_it_natively(monkeypatch, native):
     import types
 
     from engine.core import model_runner
-    from engine.convert import train_eagle3
+    from spec_tools.convert import train_eagle3
     from engine.models import prepack
 
     monkeypatch.setattr(prepack, "native_bf16", lambda device: native)

@@ -12,12 +12,12 @@ import torch
 from typer.testing import CliRunner
 
 from engine import Engine
-from engine.convert import ConvertError
-from engine.convert.eagle3_data import load_samples
-from engine.convert.token_map import eagle3_vocab
-from engine.convert.train_eagle3 import (TrainOptions, _target_tensors, evaluate, export_tensors, make_draft_config,
+from spec_tools.convert import ConvertError
+from spec_tools.convert.eagle3_data import load_samples
+from spec_tools.convert.token_map import eagle3_vocab
+from spec_tools.convert.train_eagle3 import (TrainOptions, _target_tensors, evaluate, export_tensors, make_draft_config,
                                          new_draft, train)
-from engine.convert.ttt import collate, unrolled
+from spec_tools.convert.ttt import collate, unrolled
 from engine.loader import load_config
 from spec_cli.main import app
 from tests import eagle_checkpoints as ckpt

@@ -8,10 +8,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from engine.bench.datasets import Conversation
-from engine.bench.measure import PassResult, TurnResult, interleave_chunks
-from engine.bench.offline import OfflineBackend, plain_args, tree_args
-from engine.bench.tune import Plan, describe, label, search_space, serve_command, serve_config, successive_halving
+from spec_tools.bench.datasets import Conversation
+from spec_tools.bench.measure import PassResult, TurnResult, interleave_chunks
+from spec_tools.bench.offline import OfflineBackend, plain_args, tree_args
+from spec_tools.bench.tune import Plan, describe, label, search_space, serve_command, serve_config, successive_halving
 from engine.config import ServerArgs
 from engine.engine import Engine
 from spec_cli.main import app

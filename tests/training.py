@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.convert.train_eagle3 import TrainOptions
+from spec_tools.convert.train_eagle3 import TrainOptions
 
 WORDS = "the quick brown fox jumps over lazy dog one two three four five six seven eight nine ten".split()
 

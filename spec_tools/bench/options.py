@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from engine.bench import BenchError
+from spec_tools.bench import BenchError
 
 _LIST_FLAGS = {"steps": "--search-steps", "topk": "--search-topk", "draft_tokens": "--search-draft-tokens",
                "batch_sizes": "--batch-sizes"}

@@ -30,12 +30,12 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from engine.convert import ConvertError, magpie
-from engine.convert.data_manifest import DataSpec, check_settings, data_shards, open_data, stored_prompts
-from engine.convert.eagle3_data import HEALTHY_AGREEMENT, Sample, answer_agreement, generate_data, load_samples
-from engine.convert.generate import Generation, chat_prompt_ids, generation_engine, generation_format
-from engine.convert.token_map import build_token_map, chat_special_ids, count_ids, coverage, eagle3_vocab
-from engine.convert.ttt import collate, unrolled_loss
+from spec_tools.convert import ConvertError, magpie
+from spec_tools.convert.data_manifest import DataSpec, check_settings, data_shards, open_data, stored_prompts
+from spec_tools.convert.eagle3_data import HEALTHY_AGREEMENT, Sample, answer_agreement, generate_data, load_samples
+from spec_tools.convert.generate import Generation, chat_prompt_ids, generation_engine, generation_format
+from spec_tools.convert.token_map import build_token_map, chat_special_ids, count_ids, coverage, eagle3_vocab
+from spec_tools.convert.ttt import collate, unrolled_loss
 
 # Samples shuffled together before being sorted by length into batches: batches change every epoch
 # while padding stays small.
@@ -163,7 +163,7 @@ def train(opts: TrainOptions, progress: Optional[Progress] = None) -> dict:
         "generation_s": round(generation_s, 1), **trainer.summary(), "options": _jsonable(asdict(opts)),
     }
     if opts.eval_prompts:
-        from engine.convert.corpus import load_prompts
+        from spec_tools.convert.corpus import load_prompts
 
         progress.phase(f"evaluating on {opts.eval_prompts} {opts.eval_dataset} prompts", None)
         report["eval"] = {"dataset": opts.eval_dataset, "prompts": opts.eval_prompts,
@@ -189,7 +189,7 @@ def _aux_layers(config, target_dir) -> tuple[int, ...]:
 
 
 def _data(opts: TrainOptions, target_dir: Path, aux, device: str, progress: Progress) -> list[Sample]:
-    from engine.convert.corpus import load_prompts, written_share
+    from spec_tools.convert.corpus import load_prompts, written_share
 
     engine = None
 

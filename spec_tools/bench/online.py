@@ -13,10 +13,10 @@ from typing import Optional, Sequence
 
 import httpx
 
-from engine.bench import BenchError
-from engine.bench.datasets import Conversation
-from engine.bench.measure import OnTurn, PassResult, SpecCounts, TurnResult
-from engine.bench.offline import sampling_for
+from spec_tools.bench import BenchError
+from spec_tools.bench.datasets import Conversation
+from spec_tools.bench.measure import OnTurn, PassResult, SpecCounts, TurnResult
+from spec_tools.bench.offline import sampling_for
 
 CONNECT_TIMEOUT_S = 10.0
 # A long prompt on a busy server may take a while before its first byte.

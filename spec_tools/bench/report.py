@@ -12,11 +12,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from engine.bench import BenchError
+from spec_tools.bench import BenchError
 
 
 class BarProgress:
-    """The Progress of engine.bench.run as a rich bar on stderr: one task whose total is set per phase."""
+    """The Progress of spec_tools.bench.run as a rich bar on stderr: one task whose total is set per phase."""
 
     def __init__(self, console: Console):
         # Off a terminal (CI logs, pipes) a live bar would only leave blank lines.

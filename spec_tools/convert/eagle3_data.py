@@ -24,8 +24,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from engine.convert.data_manifest import prompt_digest, stored_prompts, write_manifest
-from engine.convert.generate import Generation, chat_prompt_ids, generate_groups
+from spec_tools.convert.data_manifest import prompt_digest, stored_prompts, write_manifest
+from spec_tools.convert.generate import Generation, chat_prompt_ids, generate_groups
 from engine.core.request import Request
 
 log = logging.getLogger(__name__)

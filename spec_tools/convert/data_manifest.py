@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from engine.convert import ConvertError
-from engine.convert.generate import Generation
+from spec_tools.convert import ConvertError
+from spec_tools.convert.generate import Generation
 
 log = logging.getLogger(__name__)
 

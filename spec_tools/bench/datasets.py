@@ -8,7 +8,7 @@ the model's own answer to the previous one (MT-Bench's second turn asks to rewor
   "value": ...}, ...]}`; the first human turn of each is sent.
 - random: synthetic prompts of `input_len` words with fixed `output_len`-token answers (EOS ignored).
 - code-edit: edit instructions over functions of Python's standard library, each with the function as
-  its Predicted Output (engine/bench/code_edit.py). A question.jsonl row may carry a `prediction` string
+  its Predicted Output (spec_tools/bench/code_edit.py). A question.jsonl row may carry a `prediction` string
   too, sent with its first turn under `--use-prediction`.
 
 Named datasets are looked up in $SPEC_DATASETS_DIR when set, else in `shared/datasets/` beside the
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from engine.bench import BenchError
+from spec_tools.bench import BenchError
 
 RANDOM = "random"
 CODE_EDIT = "code-edit"
@@ -108,7 +108,7 @@ def load_conversations(dataset: Optional[str] = None, path: Optional[str] = None
         if path is not None:
             raise BenchError("--dataset code-edit builds its prompts from Python's standard library; drop "
                              "--dataset-path (or pass a question.jsonl with \"prediction\" fields alone).")
-        from engine.bench.code_edit import CATEGORY, code_edit_rows
+        from spec_tools.bench.code_edit import CATEGORY, code_edit_rows
 
         return [Conversation(ident, CATEGORY, (prompt,), i, prediction=prediction)
                 for i, (ident, prompt, prediction) in enumerate(code_edit_rows(num_prompts or 32, seed))]

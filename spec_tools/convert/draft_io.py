@@ -24,8 +24,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from engine.convert import ConvertError
-from engine.convert.token_map import eagle3_vocab
+from spec_tools.convert import ConvertError
+from spec_tools.convert.token_map import eagle3_vocab
 from engine.errors import SpecError
 
 EAGLE, EAGLE3 = "EAGLE", "EAGLE3"

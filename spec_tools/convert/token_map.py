@@ -100,15 +100,15 @@ def eagle3_vocab(ids: Iterable[int], vocab_size: int) -> tuple[torch.Tensor, tor
 
 # ------------------------------------------------------------------------------------------------ corpora
 def corpus_counts(tokenizer, sources: Sequence[str], vocab_size: int) -> torch.Tensor:
-    """Token frequencies over every text of the sources (engine/convert/corpus.py)."""
-    from engine.convert.corpus import corpus_texts
+    """Token frequencies over every text of the sources (spec_tools/convert/corpus.py)."""
+    from spec_tools.convert.corpus import corpus_texts
 
     return count_ids(tokenize_texts(tokenizer, (t for s in sources for t in corpus_texts(s))), vocab_size)
 
 
 def generation_counts(engine, prompts: Sequence[str], gen, batch: int, on_tokens=None) -> torch.Tensor:
     """Token frequencies over the target's own answers to the prompts (what a draft will be asked for)."""
-    from engine.convert.generate import chat_prompt_ids, generate_groups
+    from spec_tools.convert.generate import chat_prompt_ids, generate_groups
 
     counts = torch.zeros(engine.model_config.vocab_size, dtype=torch.long)
     ids = chat_prompt_ids(engine.tokenizer, prompts)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from functools import reduce
 from typing import Callable, Optional, Protocol, Sequence
 
-from engine.bench.datasets import Conversation
+from spec_tools.bench.datasets import Conversation
 
 
 @dataclass

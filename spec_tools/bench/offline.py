@@ -14,9 +14,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from engine.bench import BenchError
-from engine.bench.datasets import Conversation
-from engine.bench.measure import OnTurn, PassResult, SpecCounts, TurnResult
+from spec_tools.bench import BenchError
+from spec_tools.bench.datasets import Conversation
+from spec_tools.bench.measure import OnTurn, PassResult, SpecCounts, TurnResult
 from engine.config import ServerArgs
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from engine.bench.measure import PassResult, TurnResult, merge
+from spec_tools.bench.measure import PassResult, TurnResult, merge
 
 PERCENTILES = (50, 90, 99)
 

@@ -16,7 +16,7 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator, Optional
 
-from engine.bench import BenchError
+from spec_tools.bench import BenchError
 
 MIN_LINES, MAX_LINES = 30, 150
 CATEGORY = "code-edit"

@@ -24,7 +24,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.convert.eagle3_data import Sample
+from spec_tools.convert.eagle3_data import Sample
 
 
 class TTTAttention:

@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from engine.bench import BenchError
-from engine.bench.datasets import Conversation, load_conversations
-from engine.bench.measure import PassResult, interleave_chunks, merge, warm_up
-from engine.bench.options import TuneOptions
-from engine.bench.run import Progress, Silent
+from spec_tools.bench import BenchError
+from spec_tools.bench.datasets import Conversation, load_conversations
+from spec_tools.bench.measure import PassResult, interleave_chunks, merge, warm_up
+from spec_tools.bench.options import TuneOptions
+from spec_tools.bench.run import Progress, Silent
 from engine.config import ServerArgs
 from engine.errors import ConfigError
 
@@ -50,7 +50,7 @@ def search_space(args: ServerArgs, steps: Sequence[int], topks: Sequence[int],
                  draft_tokens: Sequence[int]) -> tuple[list[Tree], list[dict]]:
     """Valid trees in grid order, and the impossible combinations with ServerArgs' reason. A chain
     (topk 1) always verifies steps + 1 tokens, so for it the draft-token values are not crossed."""
-    from engine.bench.offline import tree_args
+    from spec_tools.bench.offline import tree_args
 
     trees: list[Tree] = []
     skipped: list[dict] = []
@@ -220,7 +220,7 @@ def save_config(path: str | Path, config: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------ spec tune end to end
 def run_tune(args: ServerArgs, opts: TuneOptions, progress: Optional[Progress] = None) -> dict:
-    from engine.bench.offline import OfflineBackend, plain_args, tree_args
+    from spec_tools.bench.offline import OfflineBackend, plain_args, tree_args
     from engine.engine import Engine
 
     opts.check()

@@ -7,11 +7,11 @@ import dataclasses
 import os
 from typing import Optional, Protocol
 
-from engine.bench import BenchError
-from engine.bench.datasets import load_conversations
-from engine.bench.measure import run_session
-from engine.bench.options import BenchOptions
-from engine.bench.summary import compare, summarize
+from spec_tools.bench import BenchError
+from spec_tools.bench.datasets import load_conversations
+from spec_tools.bench.measure import run_session
+from spec_tools.bench.options import BenchOptions
+from spec_tools.bench.summary import compare, summarize
 from engine.config import ServerArgs
 from engine.core.sampling_params import SamplingParams
 
@@ -56,7 +56,7 @@ def run_bench(args: ServerArgs, opts: BenchOptions, progress: Optional[Progress]
 
 
 def _offline(args: ServerArgs, opts: BenchOptions, compared: bool):
-    from engine.bench.offline import OfflineBackend, plain_args
+    from spec_tools.bench.offline import OfflineBackend, plain_args
     from engine.engine import Engine
 
     if compared and not args.speculative_algorithm and not opts.use_prediction:
@@ -78,7 +78,7 @@ def _offline(args: ServerArgs, opts: BenchOptions, compared: bool):
 
 
 def _online(args: ServerArgs, opts: BenchOptions):
-    from engine.bench.online import OnlineBackend
+    from spec_tools.bench.online import OnlineBackend
 
     key = args.api_key or os.environ.get("SPEC_API_KEY")
     common = {"concurrency": opts.max_concurrency, "max_new_tokens": opts.max_new_tokens,

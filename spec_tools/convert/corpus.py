@@ -2,7 +2,7 @@
 
 A source is a named set or a file:
 - named: `mt-bench`, `gsm8k`, `humaneval`, `sharegpt` (found as `spec bench` finds them, see
-  engine/bench/datasets.py) or `instructions` (the built-in MT-Bench-like set, instructions.py);
+  spec_tools/bench/datasets.py) or `instructions` (the built-in MT-Bench-like set, instructions.py);
 - a question.jsonl (`turns`, or `prompt` / `question`), a ShareGPT `.json`, or a plain text file.
 
 Token maps count every text of a source (questions, reference answers, both sides of ShareGPT
@@ -17,7 +17,7 @@ from itertools import chain, zip_longest
 from pathlib import Path
 from typing import Iterator, Mapping, Optional, Sequence
 
-from engine.convert import ConvertError
+from spec_tools.convert import ConvertError
 
 INSTRUCTIONS = "instructions"
 # Fields of question.jsonl rows and ShareGPT items that hold text (anything nested under them counts).
@@ -26,7 +26,7 @@ _TEXT_KEYS = ("turns", "reference", "prompt", "question", "answer", "text", "con
 
 
 def named_sets() -> tuple[str, ...]:
-    from engine.bench.datasets import KNOWN
+    from spec_tools.bench.datasets import KNOWN
 
     return (*KNOWN, INSTRUCTIONS)
 
@@ -34,7 +34,7 @@ def named_sets() -> tuple[str, ...]:
 def corpus_texts(source: str) -> Iterator[str]:
     """Every text of a source, for counting token frequencies."""
     if source == INSTRUCTIONS:
-        from engine.convert.instructions import instructions
+        from spec_tools.convert.instructions import instructions
 
         yield from instructions()
         return
@@ -79,20 +79,20 @@ def written_share(sources: Sequence[str], num_prompts: Optional[int], written: S
 
 def _prompts(source: str) -> list[str]:
     if source == INSTRUCTIONS:
-        from engine.convert.instructions import instructions
+        from spec_tools.convert.instructions import instructions
 
         return instructions()
     path = _file(source)
     if path.suffix not in (".jsonl", ".json"):
         return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    from engine.bench.datasets import load_conversations
+    from spec_tools.bench.datasets import load_conversations
 
     return [c.turns[0] for c in load_conversations(path=str(path))]
 
 
 def _file(source: str) -> Path:
     if source in named_sets():
-        from engine.bench.datasets import find_dataset
+        from spec_tools.bench.datasets import find_dataset
 
         return find_dataset(source)        # a missing set is an error that says how to fetch it
     path = Path(source).expanduser()

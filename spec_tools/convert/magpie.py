@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from engine.convert import ConvertError
-from engine.convert.generate import Generation, generate_groups
+from spec_tools.convert import ConvertError
+from spec_tools.convert.generate import Generation, generate_groups
 
 MAGPIE = "magpie"
 TASKS = "magpie-tasks"

@@ -54,7 +54,7 @@ def generation_engine(model: str, batch: int, max_new_tokens: int, dtype: str, d
 
 
 def chat_prompt_ids(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
-    from engine.bench.offline import ChatEncoder
+    from spec_tools.bench.offline import ChatEncoder
 
     encoder = ChatEncoder(tokenizer)
     return [encoder.encode([{"role": "user", "content": p}]) for p in prompts]
