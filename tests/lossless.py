@@ -11,6 +11,7 @@ import torch
 from engine import Engine
 from engine.core.sampling_params import SamplingParams
 from tests.drafts import draft_setup, module_for
+from tests.planning import untimed
 from tests.tiny import target_probs
 
 GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
@@ -30,7 +31,7 @@ def spec_engine(algo, target, tmp_path, shape, **kw) -> Engine:
     kw = {"model_path": str(target), "max_total_tokens": 8192, "speculative_adaptive": "off",
           **draft_setup(algo, target, tmp_path), **kw}
     return Engine(dtype="float32", speculative_algorithm=algo, speculative_num_steps=steps,
-                  speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens, **kw)
+                  speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens, planner=untimed, **kw)
 
 
 # ---------------------------------------------------------------------------------------- sampling

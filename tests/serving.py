@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import Engine, ServerArgs
 from engine.server import make_server
+from tests.planning import untimed
 
 
 def sse(response: httpx.Response):
@@ -62,8 +63,10 @@ class Live:
 
 
 @contextlib.contextmanager
-def serve(args: ServerArgs, headers: dict | None = None):
-    engine = Engine(server_args=args)
+def serve(args: ServerArgs, headers: dict | None = None, planner=untimed):
+    """The server of `args`, its drafts sized by a pinned step cost (tests.planning) unless `planner`
+    says otherwise: what a test sees must not depend on how fast the machine is."""
+    engine = Engine(server_args=args, planner=planner)
     server = make_server(engine, args)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

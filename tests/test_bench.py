@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +14,7 @@ from spec_tools.bench.datasets import datasets_dirs, interleave_categories, load
 from spec_tools.bench.measure import SpecCounts, TurnResult
 from spec_tools.bench.summary import decode_speed
 from spec_cli.main import app
+from tests.serving import free_port, serve, server_args
 from tests.tiny import make_model
 
 ROWS = [
@@ -204,35 +201,16 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, questions):
 
 # --- online -----------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
 def spec_server(model_dir):
     """A real `spec serve` (NGRAM) on a free local port, in a thread."""
-    from engine.config import ServerArgs
-    from engine.engine import Engine
-    from engine.server import make_server
-
-    args = ServerArgs(model_path=str(model_dir), dtype="float32", max_total_tokens=4096, speculative_algorithm="NGRAM",
-                      speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4,
-                      log_level="warning")
-    server = make_server(Engine(server_args=args), args)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    return serve(server_args(model_dir, speculative_algorithm="NGRAM", speculative_num_steps=3,
+                             speculative_eagle_topk=1, speculative_num_draft_tokens=4, log_level="warning"))
 
 
 def test_online_against_spec_serve(model_dir, questions, tmp_path):
     out = tmp_path / "online.json"
-    with spec_server(model_dir) as url:
+    with spec_server(model_dir) as live:
+        url = live.url
         # The same server as its own baseline: exercises the interleaved online path; greedy outputs agree.
         result = run("bench", "--url", url + "/v1", "--baseline-url", url, "--dataset-path", str(questions),
                      "--max-new-tokens", "12", "--max-concurrency", "2", "--output", str(out))
@@ -247,9 +225,7 @@ def test_online_against_spec_serve(model_dir, questions, tmp_path):
 
 
 def test_unreachable_url_is_one_line():
-    with socket.socket() as s:       # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()              # nothing listens on it
     line = assert_user_error(run("bench", "--url", f"http://127.0.0.1:{port}", "--dataset", "random", "-n", "2"),
                              f"127.0.0.1:{port}", "spec serve")
     assert "Traceback" not in line

@@ -116,8 +116,10 @@ def random_prompts(n: int, seed: int = 0, lo: int = 2, hi: int = 40) -> list[lis
 
 def tiny_engine(model_dir, algorithm=None, draft=None, tree=(3, 1, 4), **kw):
     """An Engine on a tiny model (fp32 unless `dtype` is given), speculative when `algorithm` is given
-    (tree = steps, topk, tokens, drafted whole every step unless speculative_adaptive="on" is given)."""
+    (tree = steps, topk, tokens, drafted whole every step unless speculative_adaptive="on" is given),
+    its Predicted Output chains sized by a pinned step cost (tests.planning) unless `planner` is given."""
     from engine import Engine
+    from tests.planning import untimed
 
     spec = {}
     if algorithm:
@@ -127,7 +129,8 @@ def tiny_engine(model_dir, algorithm=None, draft=None, tree=(3, 1, 4), **kw):
                     speculative_num_draft_tokens=tokens, speculative_adaptive="off")
         if draft:
             spec["speculative_draft_model_path"] = str(draft)
-    return Engine(model_path=str(model_dir), **{"dtype": "float32", "max_total_tokens": 4096, **spec, **kw})
+    return Engine(model_path=str(model_dir), **{"dtype": "float32", "max_total_tokens": 4096, "planner": untimed,
+                                                **spec, **kw})
 
 
 def target_probs(logits, params, prompt, output=(), eos_ids=()):

@@ -51,11 +51,8 @@ Step = Union[PrefillStep, DecodeStep]
 class Scheduler:
     def __init__(self, args: ServerArgs, kv: KVManager, worker: Worker, tokenizer, eos_ids: Sequence[int],
                  context_len: int, max_running: int, device: str, planners: PlannerFactory):
-        self.args = args
-        self.kv = kv
-        self.tokenizer = tokenizer
-        self.eos_ids = set(eos_ids)
-        self.context_len = context_len
+        self.args, self.kv, self.tokenizer = args, kv, tokenizer
+        self.eos_ids, self.context_len = set(eos_ids), context_len
         self.prefill_budget = args.prefill_chunk(device)
         self.chunking = args.chunked_prefill_size != 0
         self.max_running = max_running
