@@ -11,6 +11,7 @@ import pytest
 
 from engine import Engine
 from tests.drafts import ALGOS, draft_setup, module_for
+from tests.planning import untimed
 from tests.tiny import make_model, random_prompts
 
 NEW_TOKENS = 24
@@ -36,17 +37,19 @@ def alone(model_path, prompts, params) -> list[list[int]]:
     """Each request alone, from an empty cache, plain decoding: the reference."""
     out = []
     for i, p in enumerate(prompts):
-        eng = Engine(model_path=str(model_path), dtype="bfloat16", disable_radix_cache=True, max_total_tokens=4096)
+        eng = Engine(planner=untimed,
+                     model_path=str(model_path), dtype="bfloat16", disable_radix_cache=True, max_total_tokens=4096)
         out.append(eng.generate(input_ids=p, sampling_params=params(i))["output_ids"])
         eng.shutdown()
     return out
 
 
 def test_deterministic_inference_is_the_cpu_default(model):
-    eng = Engine(model_path=str(model), dtype="bfloat16", max_total_tokens=4096)
+    eng = Engine(planner=untimed, model_path=str(model), dtype="bfloat16", max_total_tokens=4096)
     assert eng.args.enable_deterministic_inference
     eng.shutdown()
-    eng = Engine(model_path=str(model), dtype="bfloat16", max_total_tokens=4096, disable_deterministic_inference=True)
+    eng = Engine(planner=untimed,
+                 model_path=str(model), dtype="bfloat16", max_total_tokens=4096, disable_deterministic_inference=True)
     assert not eng.args.enable_deterministic_inference
     eng.shutdown()
 
@@ -74,7 +77,8 @@ def test_same_tokens_as_alone_whatever_the_cache_batch_chunking_and_draft(algo, 
     expected = alone(target, prompts, params)
     spec = {"speculative_algorithm": algo, **kw} if algo else {}
     for variant in ({}, {"chunked_prefill_size": 8}, {"max_total_tokens": 160}):
-        eng = Engine(model_path=str(target), dtype="bfloat16", **{"max_total_tokens": 4096, **spec, **variant})
+        eng = Engine(planner=untimed,
+                     model_path=str(target), dtype="bfloat16", **{"max_total_tokens": 4096, **spec, **variant})
         for repeat in range(2 if not variant else 1):        # the second time over cached prompts
             outs = eng.generate(input_ids=prompts, sampling_params=[params(i) for i in range(len(prompts))])
             assert [o["output_ids"] for o in outs] == expected, (variant, repeat)
@@ -87,7 +91,7 @@ def test_same_tokens_as_alone_whatever_the_cache_batch_chunking_and_draft(algo, 
 
 def test_n_choices_have_keyed_streams_of_their_own(model):
     """n > 1 with a seed: choice k is reproducible, and distinct from choice 0 of seed + k."""
-    eng = Engine(model_path=str(model), dtype="bfloat16", max_total_tokens=4096)
+    eng = Engine(planner=untimed, model_path=str(model), dtype="bfloat16", max_total_tokens=4096)
     p = request_set()[0]
     params = {**seeded(0), "temperature": 1.5, "top_p": 1.0, "n": 3}
     first = [o["output_ids"] for o in eng.generate(input_ids=p, sampling_params=params)]

@@ -12,6 +12,7 @@ import torch
 from engine import Engine, ModelLoadError, RequestError
 from engine.core.forward_batch import make_batch
 from tests.greedy import GREEDY, prompts
+from tests.planning import untimed
 from tests.tiny import make_model, reference_greedy, tiny_runner
 
 
@@ -21,8 +22,8 @@ def llama_dir(tmp_path_factory):
 
 
 def engine(model_dir, **kw) -> Engine:
-    return Engine(model_path=str(model_dir), dtype=kw.pop("dtype", "float32"), max_total_tokens=kw.pop("max_total_tokens", 4096),
-                  **kw)
+    return Engine(model_path=str(model_dir), dtype=kw.pop("dtype", "float32"),
+                  max_total_tokens=kw.pop("max_total_tokens", 4096), planner=untimed, **kw)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])

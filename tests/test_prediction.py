@@ -14,6 +14,7 @@ from engine import Engine
 from engine.errors import RequestError
 from engine.speculative.prediction import Prediction, chain_length
 from tests.drafts import ALGOS, draft_setup, module_for
+from tests.planning import untimed
 from tests.tiny import make_model, random_prompts
 
 NEW = 48
@@ -135,10 +136,10 @@ def test_greedy_output_is_the_model_own_whatever_the_prediction(algo, model, tmp
     kw = draft_setup(algo, model, tmp_path) if algo else {}
     target = kw.pop("model_path", model)
     prompts = random_prompts(2, seed=5, lo=12, hi=30)
-    plain = Engine(model_path=str(target), dtype="float32", max_total_tokens=8192)
+    plain = Engine(planner=untimed, model_path=str(target), dtype="float32", max_total_tokens=8192)
     expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=GREEDY)]
     spec = {"speculative_algorithm": algo, **kw} if algo else {}
-    eng = Engine(model_path=str(target), dtype="float32", max_total_tokens=8192, **spec)
+    eng = Engine(planner=untimed, model_path=str(target), dtype="float32", max_total_tokens=8192, **spec)
     for name, pred in edits(expected[0]).items():
         outs = eng.generate(input_ids=prompts, sampling_params=[{**GREEDY, "prediction": pred}, GREEDY])
         assert [o["output_ids"] for o in outs] == expected, name
@@ -152,9 +153,9 @@ def test_greedy_output_is_the_model_own_whatever_the_prediction(algo, model, tmp
                                      {"max_running_requests": 1}], ids=["chunked", "preempt", "one-at-a-time"])
 def test_predictions_under_scheduling_variants(variant, model):
     prompts = random_prompts(4, seed=6, lo=12, hi=30)
-    plain = Engine(model_path=str(model), dtype="float32", max_total_tokens=8192)
+    plain = Engine(planner=untimed, model_path=str(model), dtype="float32", max_total_tokens=8192)
     expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=GREEDY)]
-    eng = Engine(model_path=str(model), dtype="float32", **{"max_total_tokens": 8192, **variant})
+    eng = Engine(planner=untimed, model_path=str(model), dtype="float32", **{"max_total_tokens": 8192, **variant})
     params = [{**GREEDY, "prediction": edits(out)["changed"]} for out in expected]
     for _ in range(2):                                        # the second time over cached prompts
         assert [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)] == expected
@@ -165,7 +166,7 @@ def test_predictions_under_scheduling_variants(variant, model):
 def test_seeded_sampling_with_a_prediction_draws_plain_decodings_tokens(model):
     prompts = random_prompts(6, seed=8, lo=12, hi=30)
     params = [{"temperature": 0.8, "seed": i, "max_new_tokens": NEW, "ignore_eos": True} for i in range(6)]
-    plain = Engine(model_path=str(model), dtype="float32", max_total_tokens=8192)
+    plain = Engine(planner=untimed, model_path=str(model), dtype="float32", max_total_tokens=8192)
     expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
     outs = plain.generate(input_ids=prompts, sampling_params=[{**p, "prediction": e} for p, e in zip(params, expected)])
     assert [o["output_ids"] for o in outs] == expected
@@ -175,7 +176,7 @@ def test_seeded_sampling_with_a_prediction_draws_plain_decodings_tokens(model):
 def test_usage_counts_what_was_verified(model):
     """accepted + rejected = the prediction tokens verified; an exact prediction has none rejected and
     one decode step per chain."""
-    eng = Engine(model_path=str(model), dtype="float32", max_total_tokens=8192)
+    eng = Engine(planner=untimed, model_path=str(model), dtype="float32", max_total_tokens=8192)
     p = random_prompts(1, seed=9, lo=20, hi=21)[0]
     out = eng.generate(input_ids=p, sampling_params=GREEDY)["output_ids"]
     steps = eng.stats()["decode_steps"]
@@ -189,7 +190,7 @@ def test_usage_counts_what_was_verified(model):
 
 
 def test_prediction_with_n_choices_and_logprobs(model):
-    eng = Engine(model_path=str(model), dtype="float32", max_total_tokens=8192)
+    eng = Engine(planner=untimed, model_path=str(model), dtype="float32", max_total_tokens=8192)
     p = random_prompts(1, seed=10, lo=20, hi=21)[0]
     base = eng.generate(input_ids=p, sampling_params={**GREEDY, "n": 2}, return_logprob=True, top_logprobs_num=2)
     got = eng.generate(input_ids=p, sampling_params={**GREEDY, "n": 2, "prediction": base[0]["output_ids"]},
@@ -201,7 +202,7 @@ def test_prediction_with_n_choices_and_logprobs(model):
 
 
 def test_text_prediction_and_bad_predictions(model):
-    eng = Engine(model_path=str(model), dtype="float32", max_total_tokens=8192)
+    eng = Engine(planner=untimed, model_path=str(model), dtype="float32", max_total_tokens=8192)
     out = eng.generate(prompt="hello world", sampling_params=GREEDY)
     again = eng.generate(prompt="hello world", sampling_params={**GREEDY, "prediction": out["text"]})
     assert again["output_ids"] == out["output_ids"]
@@ -216,7 +217,7 @@ def test_text_prediction_and_bad_predictions(model):
 def test_prediction_under_grammar_stop_strings_and_logit_bias(model):
     """A prediction with structured output, stop strings and logit_bias: the output is the one without
     the prediction, and a drafted prediction token the grammar refuses is never accepted."""
-    eng = Engine(model_path=str(model), dtype="float32", max_total_tokens=8192,
+    eng = Engine(planner=untimed, model_path=str(model), dtype="float32", max_total_tokens=8192,
                  constrained_json_disable_any_whitespace=True)
     p = random_prompts(1, seed=12, lo=15, hi=16)[0]
     schema = {"type": "object", "properties": {"kind": {"enum": ["fox", "dog"]}, "n": {"type": "integer"}},
@@ -242,8 +243,9 @@ def test_sampled_output_with_a_prediction_is_the_target_distribution(rule, tmp_p
     from tests.lossless import SAMPLE_PROMPT, SAMPLES, VOCAB, chi_square_p, exact_two_token_distribution
 
     target = make_model(tmp_path / "small", "llama", seed=5, vocab=VOCAB)
-    eng = Engine(model_path=str(target), dtype="float32", max_total_tokens=32768, max_running_requests=256,
-                 speculative_sampling=rule) if rule != "coupled" else Engine(
+    eng = Engine(planner=untimed,
+                 model_path=str(target), dtype="float32", max_total_tokens=32768, max_running_requests=256,
+                 speculative_sampling=rule) if rule != "coupled" else Engine(planner=untimed, 
         model_path=str(target), dtype="float32", max_total_tokens=32768, max_running_requests=256)
     sampling = {"temperature": 0.9}
     expected = exact_two_token_distribution(target, SAMPLE_PROMPT, SamplingParams(**sampling))

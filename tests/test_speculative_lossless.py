@@ -17,6 +17,7 @@ from engine.core.sampling_params import SamplingParams
 from tests.drafts import ALGOS, draft_setup, module_for
 from tests.lossless import (GREEDY, SAMPLE_PROMPT, SAMPLES, VOCAB, chi_square_p, exact_two_token_distribution, prompts,
                             spec_engine)
+from tests.planning import untimed
 from tests.tiny import make_deepseek_v3, make_model
 
 # (steps, topk, draft tokens): chains, small trees, wide ones past steps*topk + 1 (SGLang's guide's
@@ -31,7 +32,7 @@ def target(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain_outputs(target):
-    eng = Engine(model_path=str(target), dtype="float32", max_total_tokens=8192)
+    eng = Engine(planner=untimed, model_path=str(target), dtype="float32", max_total_tokens=8192)
     return [o["output_ids"] for o in eng.generate(input_ids=prompts(), sampling_params=GREEDY)]
 
 
@@ -96,7 +97,7 @@ def deepseek(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek")
     target = eagle.save_mtp_target(root / "mtp", make_deepseek_v3(root / "base", seed=3), "nextn")
     export = eagle.save_nextn_export(root / "export", target)
-    plain = Engine(model_path=str(target), dtype="float32", max_total_tokens=8192)
+    plain = Engine(planner=untimed, model_path=str(target), dtype="float32", max_total_tokens=8192)
     return target, export, [o["output_ids"] for o in plain.generate(input_ids=prompts(), sampling_params=GREEDY)]
 
 
@@ -112,7 +113,7 @@ def test_deepseek_nextn_draft_greedy_identical(deepseek, algo, shape, variant):
     if kw.pop("export", False):
         kw["speculative_draft_model_path"] = str(export)
     steps, topk, tokens = shape
-    eng = Engine(model_path=str(target), dtype="float32", speculative_algorithm=algo,
+    eng = Engine(planner=untimed, model_path=str(target), dtype="float32", speculative_algorithm=algo,
                  speculative_adaptive="off", speculative_num_steps=steps,
                  speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens, **kw)
     assert eng.args.speculative_algorithm == "MTP"
@@ -151,14 +152,16 @@ def test_sampling_matches_target_distribution(algo, sampling, shape, small_targe
     pytest.importorskip(module_for(algo))
     steps, topk, tokens = shape
     kw = {"model_path": str(small_target), **draft_setup(algo, small_target, tmp_path, vocab=VOCAB)}
-    eng = Engine(dtype="float32", max_total_tokens=32768, max_running_requests=256, speculative_algorithm=algo,
+    eng = Engine(planner=untimed,
+                 dtype="float32", max_total_tokens=32768, max_running_requests=256, speculative_algorithm=algo,
                  speculative_adaptive="off",
                  speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens, **kw)
     counts = _sampled_pairs(eng, sampling, seeded=True)
     expected = exact_two_token_distribution(small_target, SAMPLE_PROMPT, SamplingParams(**sampling))
     assert chi_square_p(counts, expected) > 0.001
     assert eng.stats()["avg_spec_accept_length"] > 1.1, "drafts were accepted: the test exercised verification"
-    plain = Engine(model_path=kw["model_path"], dtype="float32", max_total_tokens=32768, max_running_requests=256)
+    plain = Engine(planner=untimed,
+                   model_path=kw["model_path"], dtype="float32", max_total_tokens=32768, max_running_requests=256)
     assert torch.equal(_sampled_pairs(plain, sampling, seeded=True), counts)
 
 
@@ -167,7 +170,8 @@ def test_unseeded_rules_match_target_distribution(algo, rule, small_target, tmp_
     """Requests without a seed under --speculative-sampling tree or rejection: still the target's
     distribution (their draws depend on the drafts, so only the distribution is compared)."""
     kw = {"model_path": str(small_target), **draft_setup(algo, small_target, tmp_path, vocab=VOCAB)}
-    eng = Engine(dtype="float32", max_total_tokens=32768, max_running_requests=256, speculative_algorithm=algo,
+    eng = Engine(planner=untimed,
+                 dtype="float32", max_total_tokens=32768, max_running_requests=256, speculative_algorithm=algo,
                  speculative_adaptive="off",
                  speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4,
                  speculative_sampling=rule, **kw)
@@ -188,7 +192,7 @@ def multi_mtp(tmp_path_factory):
     root, out = tmp_path_factory.mktemp("multi_mtp"), {}
     for layout, arch in (("mimo", "qwen2"), ("nextn", "llama")):
         base = make_model(root / arch, arch, seed=3)
-        plain = Engine(model_path=str(base), dtype="float32", max_total_tokens=8192)
+        plain = Engine(planner=untimed, model_path=str(base), dtype="float32", max_total_tokens=8192)
         out[layout] = (eagle.save_mtp_target(root / layout, base, layout, seed=7, exact=(False,) * 3),
                        [o["output_ids"] for o in plain.generate(input_ids=prompts(), sampling_params=GREEDY)])
     return out
@@ -204,7 +208,7 @@ def test_multi_layer_mtp_greedy_identical(multi_mtp, layout, shape, variant):
     scheduling variants and over radix-shared prefixes (the second call repeats the prompts)."""
     target, plain = multi_mtp[layout]
     steps, topk, tokens = shape
-    eng = Engine(model_path=str(target), dtype="float32", speculative_algorithm="MTP",
+    eng = Engine(planner=untimed, model_path=str(target), dtype="float32", speculative_algorithm="MTP",
                  speculative_adaptive="off", speculative_num_steps=steps,
                  speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens,
                  **{"max_total_tokens": 8192, **variant})

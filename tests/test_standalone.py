@@ -13,6 +13,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.speculative.draft_tree_search import search_trees, top_k
 from tests.compiler import require
 from tests.greedy import GREEDY, generate, prompts
+from tests.planning import untimed
 from tests.tiny import make_model, make_tokenizer
 
 
@@ -43,7 +44,7 @@ def engine(target, draft=None, tree=None, **kw) -> Engine:
                     speculative_draft_model_path=str(draft), speculative_num_steps=steps,
                     speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)
     kw.setdefault("max_total_tokens", 4096)
-    return Engine(model_path=str(target), dtype="float32", **spec, **kw)
+    return Engine(planner=untimed, model_path=str(target), dtype="float32", **spec, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +220,7 @@ def test_token_map_rows_run_as_the_drafts_head_would(tmp_path, target_dir, draft
     path = tmp_path / "freq_160.pt"
     torch.save(torch.randperm(320, generator=torch.Generator().manual_seed(1))[:160].tolist(), path)
     common = dict(model_path=str(target_dir), dtype="bfloat16", quantization=quantization, max_total_tokens=4096)
-    eng = Engine(**common, speculative_algorithm="STANDALONE",
+    eng = Engine(planner=untimed, **common, speculative_algorithm="STANDALONE",
                  speculative_adaptive="off", speculative_draft_model_path=str(draft_dir),
                  speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=4,
                  speculative_draft_model_quantization=quantization, speculative_token_map=str(path))
@@ -229,7 +230,7 @@ def test_token_map_rows_run_as_the_drafts_head_would(tmp_path, target_dir, draft
     out = generate(eng, ps)
     assert [len(o) for o in out] == [GREEDY["max_new_tokens"]] * 3
     if quantization == "w4a8":
-        assert out == generate(Engine(**common), ps)
+        assert out == generate(Engine(planner=untimed, **common), ps)
 
 
 def test_full_token_map_with_own_draft_accepts_everything(tmp_path, target_dir, plain_outputs):

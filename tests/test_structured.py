@@ -26,6 +26,7 @@ from engine.core.sampling import SamplingBatch
 from engine.core.sampling_params import SamplingParams
 from tests.drafts import ALGOS, draft_setup
 from tests.lossless import VOCAB, chi_square_p, prompts, spec_engine
+from tests.planning import untimed
 from tests.tiny import deep_schema, make_model, make_tokenizer, target_probs
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
@@ -50,7 +51,7 @@ def hf_model(target):
 
 @pytest.fixture(scope="module")
 def plain(target):
-    return Engine(model_path=str(target), dtype="float32", max_total_tokens=8192,
+    return Engine(planner=untimed, model_path=str(target), dtype="float32", max_total_tokens=8192,
                   constrained_json_disable_any_whitespace=True)
 
 
@@ -299,7 +300,8 @@ def constrained_distribution(model_dir, prompt, params: SamplingParams) -> torch
 def test_constrained_sampling_matches_target_distribution(algo, shape, small_target, tmp_path):
     steps, topk, tokens = shape
     kw = {"model_path": str(small_target), **draft_setup(algo, small_target, tmp_path, vocab=VOCAB)}
-    eng = Engine(dtype="float32", max_total_tokens=32768, max_running_requests=256, speculative_algorithm=algo,
+    eng = Engine(planner=untimed,
+                 dtype="float32", max_total_tokens=32768, max_running_requests=256, speculative_algorithm=algo,
                  speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens,
                  speculative_adaptive="off", **kw)
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
@@ -392,7 +394,8 @@ def test_a_token_the_grammar_refuses_fails_that_request_only(plain):
 
 
 def test_grammar_backend_none_refuses_constraints(target):
-    eng = Engine(model_path=str(target), dtype="float32", max_total_tokens=1024, grammar_backend="none")
+    eng = Engine(planner=untimed,
+                 model_path=str(target), dtype="float32", max_total_tokens=1024, grammar_backend="none")
     with pytest.raises(RequestError) as err:
         eng.generate(input_ids=[5, 6], sampling_params={"regex": "a+"})
     assert err.value.param == "regex" and "--grammar-backend none" in str(err.value)
