@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.llama import MLP, DecoderLayer, LlamaForCausalLM, RMSNorm, Rotary, embedding, rotate
+from engine.models.rope import rope_parameters
 
 # transformers' DeepSeek-V3 gives the latent norms their own eps, not rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
@@ -37,9 +38,9 @@ def softmax_scale(config) -> float:
     """1/sqrt(qk head dim), times YaRN's mscale squared when the context is extended with YaRN (DeepSeek's
     `mscale_all_dim`): its longer-context attention is that much sharper."""
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
-    params = getattr(config, "rope_parameters", None) or {}
+    params = rope_parameters(config)
     factor, mscale_all_dim = params.get("factor", 1.0), params.get("mscale_all_dim", 0)
-    if params.get("rope_type", "default") != "default" and mscale_all_dim and factor > 1:
+    if params["rope_type"] != "default" and mscale_all_dim and factor > 1:
         mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
         scale *= mscale * mscale
     return scale

@@ -20,6 +20,7 @@ from engine.core.forward_batch import ForwardBatch
 from engine.loader.fp8_quant import cat_rows
 from engine.models import fused_decode
 from engine.models.prepack import PrepackedLinear, prepack_linears
+from engine.models.rope import rope_parameters, rotation_angles
 from spec_kernels import cpu_elementwise
 
 
@@ -41,32 +42,23 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """cos/sin tables for every position, computed once (rope scaling via transformers' init functions)."""
+    """cos/sin tables for every position, computed once (engine/models/rope.py: every RoPE kind, read
+    from transformers 4 and 5 configs alike); `layer_type` picks a family's per-layer-type RoPE."""
 
-    def __init__(self, config, head_dim: int, max_positions: int):
+    def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None):
         super().__init__()
-        self.config, self.head_dim, self.max_positions = config, head_dim, max_positions
+        self.config, self.head_dim, self.max_positions, self.layer_type = config, head_dim, max_positions, layer_type
         self.build(torch.empty(0).device)
 
     def build(self, device) -> None:
         """(Re)compute the tables onto `device`: a model built on the meta device calls it once the
         device is known (engine/core/model_runner.py: materialize)."""
-        # Computed on the CPU whatever the device (transformers' rope-scaling init functions make
-        # tensors of the default device and mix them with CPU ones), then moved there.
         config, head_dim = self.config, self.head_dim
-        with torch.device("cpu"):
-            params = getattr(config, "rope_parameters", None) or {}
-            rope_type = params.get("rope_type", "default")
-            if rope_type == "default":
-                theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-                inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-                scaling = 1.0
-            else:
-                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-            freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :].float()
-            emb = torch.cat([freqs, freqs], dim=-1)
+        with torch.device("cpu"):       # computed on the CPU whatever the device, then moved there
+            params = rope_parameters(config, self.layer_type)
+            angles, scaling = rotation_angles(params, head_dim, self.max_positions,
+                                              getattr(config, "max_position_embeddings", None) or self.max_positions)
+            emb = torch.cat([angles, angles], dim=-1)
         self.register_buffer("cos", (emb.cos() * scaling).to(device), persistent=False)
         # rotate_half(x) * sin = roll(x, half) * (sin with its first half negated): the same products,
         # bit for bit, in one op instead of four.
