@@ -46,11 +46,13 @@ def make_tokenizer(path: Path, chat_template: str = CHAT_TEMPLATE):
 def make_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden: int = 64, vocab: int = 320,
                seed: int = 0, max_pos: int = 512, tie: bool = False, dtype=torch.float32,
                chat_template: str = CHAT_TEMPLATE, **extra):
-    """Save a random model of `arch` (llama, qwen2, qwen3, mistral) with the tiny tokenizer; return its dir."""
+    """Save a random model of `arch` (llama, qwen2, qwen3, mistral, granite) with the tiny tokenizer; return
+    its dir."""
     import transformers as tf
 
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-           "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}
+           "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+           "granite": (tf.GraniteConfig, tf.GraniteForCausalLM)}
     config_cls, model_cls = cls[arch]
     config = config_cls(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                         num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,

@@ -5,10 +5,12 @@ from __future__ import annotations
 from engine.errors import ModelLoadError
 from engine.loader.fp8_quant import fp8_checkpoint
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.models.granite import GraniteForCausalLM
 from engine.models.llama import LlamaForCausalLM
 
 ARCHITECTURES = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,     # MLA, MoE and a nextn layer, which the target skips
+    "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MiMoForCausalLM": LlamaForCausalLM,          # Qwen2 plus MTP layers, which the target skips
@@ -19,7 +21,7 @@ ARCHITECTURES = {
 
 # Configs converted from GGUF may name no architecture; their model_type says as much.
 MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
-               "qwen3": LlamaForCausalLM, "deepseek_v3": DeepseekV3ForCausalLM}
+               "qwen3": LlamaForCausalLM, "deepseek_v3": DeepseekV3ForCausalLM, "granite": GraniteForCausalLM}
 
 
 def model_class(config, source: str):
@@ -33,4 +35,4 @@ def model_class(config, source: str):
     raise ModelLoadError(
         f"{source}: architecture {', '.join(archs) or config.model_type!r} is not supported. "
         f"Supported: {', '.join(ARCHITECTURES)}. Pass a model of one of these families "
-        "(Llama 2/3/3.1, SmolLM2, Mistral, Qwen2/2.5, Qwen3, MiMo, DeepSeek-V3).")
+        "(Llama 2/3/3.1, SmolLM2, Mistral, Qwen2/2.5, Qwen3, MiMo, DeepSeek-V3, Granite 3).")

@@ -152,10 +152,12 @@ def embedding(config) -> nn.Embedding:
 
 
 class LlamaModel(nn.Module):
+    layer_class = DecoderLayer      # other families bring their own layers
+
     def __init__(self, config, max_positions: int):
         super().__init__()
         self.embed_tokens = embedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = Rotary(config, head_dim, max_positions)

@@ -1,0 +1,39 @@
+"""Model families beyond Llama's shape, each a tiny random checkpoint made by transformers' own class:
+greedy tokens in float32 through Engine are transformers' own, and every speculative algorithm gives
+plain decoding's tokens on that target."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.drafts import ALGOS, draft_setup
+from tests.tiny import make_model, random_prompts, reference_greedy, tiny_engine
+
+GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+# Multipliers far from 1, so that a family file that ignored one would not pass.
+FAMILIES = {
+    "granite": dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.3, logits_scaling=3.0),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    return request.param, make_model(tmp_path_factory.mktemp(request.param), request.param, layers=4,
+                                     **FAMILIES[request.param])
+
+
+def test_greedy_is_transformers(family):
+    _, model = family
+    prompts = random_prompts(3, seed=2, lo=5, hi=30)
+    outs = tiny_engine(model).generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == [reference_greedy(model, p, GREEDY["max_new_tokens"]) for p in prompts]
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_every_algorithm_is_lossless(family, algo, tmp_path):
+    _, model = family
+    prompts = random_prompts(4, seed=3, lo=5, hi=30)
+    expected = [o["output_ids"] for o in tiny_engine(model).generate(input_ids=prompts, sampling_params=GREEDY)]
+    spec = draft_setup(algo, model, tmp_path)
+    eng = tiny_engine(spec.pop("model_path", model), algo, tree=(3, 2, 5), **spec)
+    assert [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)] == expected
