@@ -7,12 +7,17 @@ from __future__ import annotations
 import pytest
 
 from tests.drafts import ALGOS, draft_setup
-from tests.tiny import make_model, random_prompts, reference_greedy, tiny_engine
+from tests.tiny import make_model, random_prompts, reference_generate, tiny_engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
 # Multipliers far from 1, so that a family file that ignored one would not pass.
 FAMILIES = {
     "granite": dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.3, logits_scaling=3.0),
+    # Phi-3.5's long-context RoPE (its positions past the original context: tests/test_rope.py).
+    "phi3": dict(original_max_position_embeddings=64,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+                                  "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                  "long_factor": [1.0 + 2.0 * i for i in range(8)]}),
 }
 
 
@@ -26,7 +31,7 @@ def test_greedy_is_transformers(family):
     _, model = family
     prompts = random_prompts(3, seed=2, lo=5, hi=30)
     outs = tiny_engine(model).generate(input_ids=prompts, sampling_params=GREEDY)
-    assert [o["output_ids"] for o in outs] == [reference_greedy(model, p, GREEDY["max_new_tokens"]) for p in prompts]
+    assert [o["output_ids"] for o in outs] == [reference_generate(model, p, GREEDY["max_new_tokens"]) for p in prompts]
 
 
 @pytest.mark.parametrize("algo", ALGOS)

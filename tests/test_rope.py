@@ -84,6 +84,16 @@ def test_a_transformers_4_config_gives_the_same_tables(kind):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_phi3_128k_as_transformers_4_wrote_it():
+    """Phi-3's first long-context releases: LongRoPE named "su", the original context outside rope_scaling."""
+    new = config("longrope")
+    factors = {k: KINDS["longrope"][k] for k in ("short_factor", "long_factor")}
+    old = SimpleNamespace(rope_scaling={"type": "su", **factors}, rope_theta=50000.0, max_position_embeddings=MAX_POS,
+                          original_max_position_embeddings=ORIGINAL)
+    for a, b in zip(ours(old), ours(new)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_per_layer_type_parameters():
     """Gemma 3: global layers scaled, local ones at their own base (5: a dict per layer type; 4:
     rope_local_base_freq)."""
@@ -96,8 +106,8 @@ def test_per_layer_type_parameters():
 
 
 def test_unknown_kinds_and_partial_rotation_are_refused():
-    with pytest.raises(ModelLoadError, match="RoPE type 'su' is not supported"):
-        Rotary(SimpleNamespace(rope_scaling={"type": "su"}, rope_theta=1e4), HEAD_DIM, 16)
+    with pytest.raises(ModelLoadError, match="RoPE type 'xpos' is not supported"):
+        Rotary(SimpleNamespace(rope_scaling={"type": "xpos"}, rope_theta=1e4), HEAD_DIM, 16)
     with pytest.raises(ModelLoadError, match="partial rotary"):
         Rotary(SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                 "partial_rotary_factor": 0.5}), HEAD_DIM, 16)

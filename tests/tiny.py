@@ -46,19 +46,20 @@ def make_tokenizer(path: Path, chat_template: str = CHAT_TEMPLATE):
 def make_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden: int = 64, vocab: int = 320,
                seed: int = 0, max_pos: int = 512, tie: bool = False, dtype=torch.float32,
                chat_template: str = CHAT_TEMPLATE, **extra):
-    """Save a random model of `arch` (llama, qwen2, qwen3, mistral, granite) with the tiny tokenizer; return
-    its dir."""
+    """Save a random model of `arch` (llama, qwen2, qwen3, mistral, granite, gemma2, gemma3, phi3) with the
+    tiny tokenizer; return its dir."""
     import transformers as tf
 
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
            "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-           "granite": (tf.GraniteConfig, tf.GraniteForCausalLM)}
+           "granite": (tf.GraniteConfig, tf.GraniteForCausalLM), "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+           "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM), "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM)}
     config_cls, model_cls = cls[arch]
     config = config_cls(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                         num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
                         max_position_embeddings=max_pos, tie_word_embeddings=tie,
                         bos_token_id=0, eos_token_id=1, pad_token_id=2, **extra)
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma2", "gemma3"):
         config.head_dim = hidden // 4
     return _save_random(path, model_cls, config, seed, dtype, chat_template)
 
@@ -107,6 +108,19 @@ def reference_greedy(model_dir: Path, prompt_ids: list[int], n: int) -> list[int
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt_ids):]
+
+
+def reference_generate(model_dir: Path, prompt_ids: list[int], n: int) -> list[int]:
+    """Greedy decoding by transformers' own generate, token by token with its cache: where a model's RoPE
+    changes with the sequence's length (LongRoPE, dynamic NTK), each token is rotated as it was when
+    generated, which full recomputation (reference_greedy) does not reproduce."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None         # n tokens, EOS among them (as ignore_eos)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
 
 
 def random_prompts(n: int, seed: int = 0, lo: int = 2, hi: int = 40) -> list[list[int]]:

@@ -14,6 +14,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MiMoForCausalLM": LlamaForCausalLM,          # Qwen2 plus MTP layers, which the target skips
+    "Phi3ForCausalLM": LlamaForCausalLM,          # Phi-3/3.5/4: q/k/v and gate/up stored fused, as Llama's run
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
 }
@@ -21,7 +22,8 @@ ARCHITECTURES = {
 
 # Configs converted from GGUF may name no architecture; their model_type says as much.
 MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
-               "qwen3": LlamaForCausalLM, "deepseek_v3": DeepseekV3ForCausalLM, "granite": GraniteForCausalLM}
+               "qwen3": LlamaForCausalLM, "deepseek_v3": DeepseekV3ForCausalLM, "granite": GraniteForCausalLM,
+               "phi3": LlamaForCausalLM}
 
 
 def model_class(config, source: str):

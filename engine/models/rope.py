@@ -38,8 +38,11 @@ def rope_parameters(config, layer_type: Optional[str] = None) -> dict:
     if not params:
         params = getattr(config, "rope_scaling", None) or {}
     params = dict(params)
-    params["rope_type"] = params.get("rope_type") or params.pop("type", None) or "default"
+    kind = params.get("rope_type") or params.pop("type", None) or "default"
+    params["rope_type"] = _ALIASES.get(kind, kind)
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    if getattr(config, "original_max_position_embeddings", None):     # transformers 4's Phi-3 kept it outside
+        params.setdefault("original_max_position_embeddings", config.original_max_position_embeddings)
     return params
 
 
@@ -131,5 +134,7 @@ def _dynamic(params, head_dim, pos, max_pos):
     return 1.0 / (base[:, None] ** exponents), 1.0
 
 
+# Names older configs gave a kind: Phi-3's first 128k releases called LongRoPE "su".
+_ALIASES = {"su": "longrope"}
 _KINDS: dict[str, Callable] = {"default": _default, "linear": _linear, "llama3": _llama3, "yarn": _yarn,
                                "longrope": _longrope, "dynamic": _dynamic}
