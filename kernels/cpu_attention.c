@@ -20,6 +20,14 @@
  * fp32 weights: it is the exact reference.
  * A request's tokens (a verified tree) share its prefix: those keys are read once for all of them,
  * which changes the order of nothing a single token computes.
+ *
+ * Attention variants (spec_attend_variants), each a function of the token's own list alone, so batch
+ * invariance holds with them: a sliding window keeps the last `window` keys of a token's list (its own
+ * among them; the list holds consecutive positions, so these are the `window` most recent), which is
+ * where its keys then start, pairs of bf16 keys included; a soft-cap maps every score s to
+ * cap * tanh(s / cap) before the softmax; a sink (one logit per query head) joins the softmax's maximum
+ * and its sum, after the keys' terms, and weighs no value. A window gives every token its own start, so
+ * a request's tokens then share no keys read once.
  */
 #include <math.h>
 #include <stdint.h>
@@ -90,7 +98,19 @@ typedef struct {
     const int64_t *kv_index, *kv_len;
     int64_t max_kv;
     float scale;
+    int64_t window;                     /* keys a token sees at most, the last of its list; 0: all */
+    float softcap;                      /* 0: none */
+    const float *sinks;                 /* [H] or NULL */
 } Problem;
+
+/* Where token t's keys start in its list: past those that fall out of the window. */
+static inline int64_t first_key(const Problem *P, int64_t t) {
+    return P->window && P->kv_len[t] > P->window ? P->kv_len[t] - P->window : 0;
+}
+
+/* Token t's visible slots (the window's), and their count. */
+static inline const int64_t *keys_of(const Problem *P, int64_t t) { return P->kv_index + t * P->max_kv + first_key(P, t); }
+static inline int64_t count_of(const Problem *P, int64_t t) { return P->kv_len[t] - first_key(P, t); }
 
 /* Row stride of the bf16 weights (weights_bf16 writes whole 32s). */
 static inline int64_t pb_stride(const Problem *P) { return (P->max_kv + 2 * LANES - 1) / (2 * LANES) * (2 * LANES); }
@@ -413,15 +433,19 @@ static void attend_item(const Problem *P, int64_t t0, int64_t t1, int64_t shared
     }
     score_keys(P, h, qrows, 0, R, P->kv_index + t0 * P->max_kv, 0, shared, scores, rows);
     for (int64_t t = t0; t < t1; t++)
-        score_keys(P, h, qrows, (int)(t - t0) * G, (int)(t - t0 + 1) * G, P->kv_index + t * P->max_kv, shared,
-                   P->kv_len[t], scores, rows);
+        score_keys(P, h, qrows, (int)(t - t0) * G, (int)(t - t0 + 1) * G, keys_of(P, t), shared, count_of(P, t),
+                   scores, rows);
     memset(acc, 0, (size_t)R * D * sizeof(float));
     for (int r = 0; r < R; r++) {
-        const int64_t n = P->kv_len[t0 + r / G];
+        const int64_t n = count_of(P, t0 + r / G);
         float *s = scores + (int64_t)r * P->max_kv;
-        const float top = max_of(s, n);
+        if (P->softcap > 0)
+            for (int64_t j = 0; j < n; j++) s[j] = P->softcap * tanhf(s[j] / P->softcap);
+        const float sink = P->sinks ? P->sinks[h * G + r % G] : -INFINITY, most = max_of(s, n);
+        const float top = sink > most ? sink : most;
         for (int64_t j = 0; j < n; j++) s[j] = exp_nonpositive(s[j] - top);
         sums[r] = sum_of(s, n);
+        if (P->sinks) sums[r] += exp_nonpositive(sink - top);
 #if PAIRS
         if (P->pairs) weights_bf16(s, n, pb + (int64_t)r * pb_stride(P));
 #endif
@@ -430,8 +454,8 @@ static void attend_item(const Problem *P, int64_t t0, int64_t t1, int64_t shared
     const int64_t split = P->pairs ? shared & ~(int64_t)1 : shared;
     add_values(P, h, scores, pb, 0, R, P->kv_index + t0 * P->max_kv, 0, split, acc, rows);
     for (int64_t t = t0; t < t1; t++)
-        add_values(P, h, scores, pb, (int)(t - t0) * G, (int)(t - t0 + 1) * G, P->kv_index + t * P->max_kv, split,
-                   P->kv_len[t], acc, rows);
+        add_values(P, h, scores, pb, (int)(t - t0) * G, (int)(t - t0 + 1) * G, keys_of(P, t), split, count_of(P, t),
+                   acc, rows);
     for (int r = 0; r < R; r++) {
         const int64_t o = ((t0 + r / G) * P->H + (int64_t)h * G + r % G) * D;
         const float *a = acc + (int64_t)r * D, sum = sums[r];
@@ -443,19 +467,21 @@ static void attend_item(const Problem *P, int64_t t0, int64_t t1, int64_t shared
     }
 }
 
-/* q, out [T, H, D]; k_pool, v_pool [slots, Hkv, D]; token t sees the slots kv_index[t, :kv_len[t]].
+/* q, out [T, H, D]; k_pool, v_pool [slots, Hkv, D]; token t sees the slots kv_index[t, :kv_len[t]] (the
+ * last `window` of them where window > 0), its scores soft-capped where softcap > 0, with a sink per query
+ * head where sinks is not NULL (the top of this file).
  * Tokens come in groups (a request's tokens): group i is tokens [starts[i], starts[i + 1]), which all
  * see the same first shared[i] slots. A work item is some tokens of a group with one KV head and its
  * H / Hkv query heads: up to 4 tokens of a group (whose rows then fill the score tiles, and whose shared keys
  * are converted once for all of them), fewer where that leaves a thread without an item.
  * Returns 0, or -1 when the shapes are unsupported or memory runs out. */
-int spec_attend(const void *q, const void *k_pool, const void *v_pool, void *out, int bf16,
-                int64_t T, int H, int Hkv, int D, const int64_t *kv_index, const int64_t *kv_len,
-                int64_t max_kv, const int64_t *starts, const int64_t *shared, int64_t groups, float scale,
-                int threads) {
-    if (D % LANES || D > MAX_HEAD_DIM || H % Hkv || T == 0) return T == 0 ? 0 : -1;
+int spec_attend_variants(const void *q, const void *k_pool, const void *v_pool, void *out, int bf16,
+                         int64_t T, int H, int Hkv, int D, const int64_t *kv_index, const int64_t *kv_len,
+                         int64_t max_kv, const int64_t *starts, const int64_t *shared, int64_t groups, float scale,
+                         int64_t window, float softcap, const float *sinks, int threads) {
+    if (D % LANES || D > MAX_HEAD_DIM || H % Hkv || T == 0 || window < 0) return T == 0 ? 0 : -1;
     const Problem P = {q, k_pool, v_pool, out, bf16, PAIRS && bf16 && D % (2 * LANES) == 0, H, Hkv, D, H / Hkv,
-                       kv_index, kv_len, max_kv, scale};
+                       kv_index, kv_len, max_kv, scale, window, softcap, sinks};
     int64_t per = (T * Hkv + threads - 1) / threads;
     per = per < 1 ? 1 : per > 4 ? 4 : per;
     int64_t items = 0;
@@ -484,7 +510,8 @@ int spec_attend(const void *q, const void *k_pool, const void *v_pool, void *out
             if (failed) continue;
             const int64_t k = item / Hkv, end = starts[group[k] + 1];
             const int64_t t1 = first[k] + per < end ? first[k] + per : end;
-            attend_item(&P, first[k], t1, shared[group[k]], (int)(item % Hkv), scores, qrows, acc, sums, rows, pb);
+            attend_item(&P, first[k], t1, window ? 0 : shared[group[k]], (int)(item % Hkv), scores, qrows, acc, sums,
+                        rows, pb);
         }
         free(scores);
         free(qrows);
@@ -496,4 +523,12 @@ int spec_attend(const void *q, const void *k_pool, const void *v_pool, void *out
     free(first);
     free(group);
     return failed ? -1 : 0;
+}
+
+/* spec_attend_variants without a window, soft-cap or sinks. */
+int spec_attend(const void *q, const void *k_pool, const void *v_pool, void *out, int bf16, int64_t T, int H,
+                int Hkv, int D, const int64_t *kv_index, const int64_t *kv_len, int64_t max_kv,
+                const int64_t *starts, const int64_t *shared, int64_t groups, float scale, int threads) {
+    return spec_attend_variants(q, k_pool, v_pool, out, bf16, T, H, Hkv, D, kv_index, kv_len, max_kv, starts, shared,
+                                groups, scale, 0, 0.0f, NULL, threads);
 }

@@ -22,4 +22,8 @@ void spec_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int I
 int spec_attend(const void *q, const void *k_pool, const void *v_pool, void *out, int bf16, int64_t T, int H,
                 int Hkv, int D, const int64_t *kv_index, const int64_t *kv_len, int64_t max_kv,
                 const int64_t *starts, const int64_t *shared, int64_t groups, float scale, int threads);
+int spec_attend_variants(const void *q, const void *k_pool, const void *v_pool, void *out, int bf16, int64_t T,
+                         int H, int Hkv, int D, const int64_t *kv_index, const int64_t *kv_len, int64_t max_kv,
+                         const int64_t *starts, const int64_t *shared, int64_t groups, float scale, int64_t window,
+                         float softcap, const float *sinks, int threads);
 #endif

@@ -10,6 +10,11 @@ Layout (as the engine's attention backends see it):
 - visibility: the prefix is seen by all queries of its request; query i sees tail key j where
   tail_mask[b, i, j], or, without a mask, causally: keys up to kv_len - n + i, n being its number of
   queries.
+- variants (engine/attention/base.py): a sliding window keeps, of the keys a query sees, the last `window`
+  (without a mask those from index kv_len - n + i + 1 - window; with one, the host windows the mask and
+  gives each query the first prefix key it keeps, and the kernel skips whole blocks before them); a
+  soft-cap maps scores s to cap * tanh(s / cap); sinks [H] start each row's online softmax at the sink's
+  logit with a sum of 1 (its exp), weighing no value.
 Online softmax in fp32 (Flash-Attention style), one program per (request, head, block of queries).
 `attention_reference` computes the same in plain torch; tests compare the two (on CPU under
 TRITON_INTERPRET=1, where Triton runs the kernel in numpy).
@@ -20,6 +25,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from spec_kernels.sliding_window import last_seen
 
 try:
     import triton
@@ -35,10 +42,11 @@ def available() -> bool:
 if triton is not None:
     @triton.jit
     def _paged_attention_kernel(
-            q, k_cache, v_cache, out, qo_indptr, table, rows, prefix_lens, tails, tail_lens, tail_mask,
-            scale, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
-            stride_table, stride_tail, stride_mb, stride_mi, group: tl.constexpr, D: tl.constexpr,
-            BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr):
+            q, k_cache, v_cache, out, qo_indptr, table, rows, prefix_lens, tails, tail_lens, tail_mask, key_lo,
+            sinks, scale, window, softcap, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+            stride_ot, stride_oh, stride_table, stride_tail, stride_mb, stride_mi, stride_lo, group: tl.constexpr,
+            D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         m_block = tl.program_id(2)
@@ -58,10 +66,21 @@ if triton is not None:
         q_ptrs = q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
         qb = tl.load(q_ptrs, mask=m_valid[:, None] & d_valid[None, :], other=0.0).to(tl.float32)
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_SINKS:
+            m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(sinks + h).to(tl.float32)
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for n_start in range(0, kv_len, BLOCK_N):
+        start = 0
+        if HAS_WINDOW:
+            if HAS_MASK:
+                lo = tl.load(key_lo + b * stride_lo + offs_m, mask=m_valid, other=0)
+            else:
+                lo = kv_len - n_q + offs_m + 1 - window
+            start = tl.maximum(tl.min(tl.where(m_valid, lo, kv_len), 0), 0) // BLOCK_N * BLOCK_N
+        for n_start in range(start, kv_len, BLOCK_N):
             offs_n = n_start + tl.arange(0, BLOCK_N)
             n_valid = offs_n < kv_len
             tail = offs_n - prefix
@@ -71,6 +90,8 @@ if triton is not None:
             kb = tl.load(k_cache + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
                          mask=n_valid[:, None] & d_valid[None, :], other=0.0).to(tl.float32)
             s = tl.dot(qb, tl.trans(kb)) * scale                                      # [BLOCK_M, BLOCK_N]
+            if HAS_SOFTCAP:
+                s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)             # tanh
             if HAS_MASK:
                 seen = tl.load(tail_mask + b * stride_mb + offs_m[:, None] * stride_mi + tail[None, :],
                                mask=m_valid[:, None] & (tail >= 0)[None, :] & n_valid[None, :], other=0)
@@ -78,6 +99,8 @@ if triton is not None:
             else:
                 ok = offs_n[None, :] <= kv_len - n_q + offs_m[:, None]
             ok = ok & n_valid[None, :] & m_valid[:, None]
+            if HAS_WINDOW:
+                ok = ok & (offs_n[None, :] >= lo[:, None])
             s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -96,27 +119,44 @@ if triton is not None:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_indptr: torch.Tensor,
                     table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor, tails: torch.Tensor,
                     tail_lens: torch.Tensor, tail_mask: Optional[torch.Tensor], scale: float,
-                    max_queries: int) -> torch.Tensor:
+                    max_queries: int, *, window: Optional[int] = None, softcap: Optional[float] = None,
+                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention output [T, H, D] (see the module doc); max_queries: the most queries of one request."""
     T, H, D = q.shape
     B = rows.shape[0]
     out = torch.empty_like(q)
     block_m = max(16, triton.next_power_of_2(min(max_queries, 64)))     # tl.dot wants 16 rows or more
-    mask = tail_mask if tail_mask is not None else tails                 # any tensor: unread without a mask
+    key_lo = tails                                                       # any tensor where unread
+    if window is not None and tail_mask is not None:
+        tail_mask, key_lo = windowed_mask(tail_mask, prefix_lens, window)
+    mask = tail_mask if tail_mask is not None else tails
     grid = (B, H, triton.cdiv(max_queries, block_m))
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, qo_indptr, table, rows, prefix_lens, tails, tail_lens, mask, scale,
+        q, k_cache, v_cache, out, qo_indptr, table, rows, prefix_lens, tails, tail_lens, mask, key_lo,
+        sinks if sinks is not None else q, scale, window or 0, softcap or 0.0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), table.stride(0), tails.stride(0),
         mask.stride(0) if tail_mask is not None else 0, mask.stride(1) if tail_mask is not None else 0,
-        group=H // k_cache.shape[1], D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m, BLOCK_N=32,
-        HAS_MASK=tail_mask is not None)
+        key_lo.stride(0), group=H // k_cache.shape[1], D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m,
+        BLOCK_N=32, HAS_MASK=tail_mask is not None, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None)
     return out
+
+
+def windowed_mask(tail_mask: torch.Tensor, prefix_lens: torch.Tensor, window: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sliding window under a tail mask [B, n, tail]: the mask keeping the last `window` tail keys each
+    query sees, and [B, n] the first prefix key each keeps (its visible keys number prefix + its tail
+    keys; the window holds the last `window`)."""
+    seen = tail_mask.bool()
+    return last_seen(seen, window), prefix_lens[:, None] + seen.sum(-1) - window
 
 
 def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_indptr: torch.Tensor,
                         table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor, tails: torch.Tensor,
-                        tail_lens: torch.Tensor, tail_mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+                        tail_lens: torch.Tensor, tail_mask: Optional[torch.Tensor], scale: float, *,
+                        window: Optional[int] = None, softcap: Optional[float] = None,
+                        sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The same attention, request by request in plain torch (fp32)."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[1]
@@ -132,7 +172,14 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             seen = torch.cat([torch.ones(n, prefix, dtype=torch.bool), tail_mask[b, :n, :n_tail].bool()], 1)
         else:
             seen = j <= kv_len - n + torch.arange(n)[:, None]
+        if window is not None:
+            seen = last_seen(seen, window)
         scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), keys) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~seen[None], float("-inf"))
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.float()[:, None, None].expand(-1, n, 1)], -1)
+        weights = scores.softmax(-1)[..., :kv_len]
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", weights, values).to(q.dtype)
     return out

@@ -31,6 +31,7 @@ from engine.core.forward_batch import ForwardBatch
 from engine.memory.kv_pool import KVPool
 from engine.core.to_device import ragged_index, to_device
 from spec_kernels import cpu_attention
+from spec_kernels.sliding_window import last_seen
 
 
 @dataclass
@@ -128,32 +129,51 @@ class TorchAttentionBackend(AttentionBackend):
         return (wanted and cpu_attention.supports(pool.dtype, pool.device, pool.shape[-1])
                 and cpu_attention.library() is not None)
 
-    def forward(self, q, k, v, layer, batch, scale):
+    def forward(self, q, k, v, layer, batch, scale, *, window=None, softcap=None, sinks=None):
         self.kv_pool.store(layer, batch.out_slots, k, v)
         meta = batch.attn
         if isinstance(meta, KeyLists):
             return cpu_attention.attend(q, self.kv_pool.k[layer], self.kv_pool.v[layer], meta.slots, meta.lens, scale,
-                                        meta.starts, meta.shared)
+                                        meta.starts, meta.shared, window=window, softcap=softcap, sinks=sinks)
         B = meta.kv_index.shape[0]          # a tensor's size, not a list's length: symbolic when compiled
         T, H, D = q.shape
         if meta.max_new == 1:
             qp = q.view(B, 1, H, D)
         else:
             qp = torch.cat([q, q.new_zeros(1, H, D)])[meta.pad_index].view(B, meta.max_new, H, D)
-        out = self._gather_and_attend(qp, layer, meta, scale).reshape(B, meta.max_new, H, D)
+        out = self._gather_and_attend(qp, layer, meta, scale, window, softcap, sinks).reshape(B, meta.max_new, H, D)
         if meta.max_new == 1:
             return out.reshape(T, H, D)
         return out.reshape(B * meta.max_new, H, D)[meta.unpad_index]
 
-    def _gather_and_attend(self, qp, layer, meta: _Metadata, scale) -> torch.Tensor:
-        """qp [B, max_new, H, D] -> [B, max_new, H, D], by SDPA over K/V gathered into a padded batch."""
+    def _gather_and_attend(self, qp, layer, meta: _Metadata, scale, window, softcap, sinks) -> torch.Tensor:
+        """qp [B, max_new, H, D] -> [B, max_new, H, D], by SDPA over K/V gathered into a padded batch (or
+        the same in torch ops where SDPA has no soft-cap or sinks)."""
         # Compiled, the buffers would be graph inputs written in place; inductor plans its own memory.
         buffers = None if torch.compiler.is_compiling() else meta.buffers
         keys, values = self.kv_pool.gather(layer, meta.kv_index, buffers)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)      # [B, Hkv, max_kv, D]
-        out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=scale,
+        mask = meta.mask if window is None else last_seen(meta.mask, window)
+        if softcap is not None or sinks is not None:
+            return _eager_attention(qp.transpose(1, 2), keys, values, mask, scale, softcap, sinks).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
                                              enable_gqa=keys.shape[1] != qp.shape[2])
         return out.transpose(1, 2)
+
+
+def _eager_attention(q, keys, values, mask, scale, softcap, sinks) -> torch.Tensor:
+    """Attention with soft-capped scores and/or sinks, in fp32: q [B, H, n, D] over keys and values
+    [B, Hkv, kv, D] where mask [B, 1, n, kv]; [B, H, n, D] in q's dtype."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1).float(), values.repeat_interleave(group, 1).float()
+    scores = q.float() @ keys.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float()[None, :, None, None].expand(*scores.shape[:3], 1)], -1)
+    weights = scores.softmax(-1)[..., :keys.shape[2]]
+    return (weights @ values).to(q.dtype)
 
 
 def _key_lists(kv_index: torch.Tensor, seen: torch.Tensor, request: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,8 +40,9 @@ class TritonAttentionBackend(AttentionBackend):
                                to_device(batch.prefix_lens, device), tails, tail_lens,
                                None if batch.masks is None else batch.masks.to(device), max(batch.extend_lens))
 
-    def forward(self, q, k, v, layer, batch, scale):
+    def forward(self, q, k, v, layer, batch, scale, *, window=None, softcap=None, sinks=None):
         self.kv_pool.store(layer, batch.out_slots, k, v)
         meta: _Metadata = batch.attn
         return self.kernel(q, self.kv_pool.k[layer], self.kv_pool.v[layer], meta.qo_indptr, batch.table, batch.rows,
-                           meta.prefix_lens, meta.tails, meta.tail_lens, meta.mask, scale, meta.max_queries)
+                           meta.prefix_lens, meta.tails, meta.tail_lens, meta.mask, scale, meta.max_queries,
+                           window=window, softcap=softcap, sinks=sinks)
