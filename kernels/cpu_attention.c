@@ -109,7 +109,9 @@ static inline int64_t first_key(const Problem *P, int64_t t) {
 }
 
 /* Token t's visible slots (the window's), and their count. */
-static inline const int64_t *keys_of(const Problem *P, int64_t t) { return P->kv_index + t * P->max_kv + first_key(P, t); }
+static inline const int64_t *keys_of(const Problem *P, int64_t t) {
+    return P->kv_index + t * P->max_kv + first_key(P, t);
+}
 static inline int64_t count_of(const Problem *P, int64_t t) { return P->kv_len[t] - first_key(P, t); }
 
 /* Row stride of the bf16 weights (weights_bf16 writes whole 32s). */

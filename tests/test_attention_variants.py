@@ -3,7 +3,7 @@ backend (torch's gather + SDPA, torch's CPU kernel kernels/cpu_attention.c, Trit
 interpreter, and that kernel's torch reference) against a dense float64 reference that windows by the
 keys' positions: decode, chunked prefill, tree verification, a draft tree's frontier over scratch keys,
 batches mixing them and requests of different lengths, windows smaller and larger than the context. The
-CPU kernel's results stay batch-invariant with a window."""
+CPU kernel's results stay batch-invariant with a window; layers with a variant do not run as one C call."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from engine.attention.torch_backend import KeyLists, TorchAttentionBackend
 from engine.core.forward_batch import make_batch
 from spec_kernels import cpu_attention
 from tests.attention_cases import D, build, dense_reference, draft_frontier, extend, tree
+from tests.compiler import needs_compiler
+from tests.tiny import make_model, tiny_engine
 
 SCALE = D ** -0.5
 PARENTS = [-1, 0, 0, 1, 1, 2, 3, 6]                   # depths 0, 1, 1, 2, 2, 2, 3, 4
@@ -145,3 +147,19 @@ def test_a_windowed_token_does_not_depend_on_the_rest_of_the_call(dtype):
             assert torch.equal(alone[0], together[t]), t
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_compiler
+@pytest.mark.parametrize("variant", ["window", "softcap", "sinks"])
+def test_layers_with_a_variant_do_not_run_as_one_c_call(variant, tmp_path):
+    """kernels/cpu_decoder.c has none of the variants: a model with any of them on a layer keeps its
+    layers (engine/models/fused_decode.py asks fusable_decode)."""
+    eng = tiny_engine(make_model(tmp_path, layers=2), quantization="w4a8", dtype="bfloat16")
+    model = eng.debug.target.model
+    try:
+        assert model.fusable_decode()
+        value = {"window": 4, "softcap": 30.0, "sinks": torch.zeros(4)}[variant]
+        setattr(model.model.layers[1].self_attn, variant, value)
+        assert not model.fusable_decode()
+    finally:
+        eng.shutdown()

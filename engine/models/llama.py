@@ -191,13 +191,16 @@ class LlamaForCausalLM(nn.Module):
 
     def fusable_decode(self) -> bool:
         """Whether decode steps may run a layer per C call (fused_decode.py): every layer is this file's
-        attention (no q/k norm) and MLP, not sharded, with w4a8 weights and bf16 norms."""
+        attention (no q/k norm, and none of the variants kernels/cpu_decoder.c lacks: sliding window,
+        logit soft-cap, sinks) and MLP, not sharded, with w4a8 weights and bf16 norms."""
         from engine.models.quant import MixedLinear, W4A8Linear
 
         for layer in self.model.layers:
             attention, mlp = layer.self_attn, layer.mlp
             if not (type(layer) is DecoderLayer and type(attention) is Attention and type(mlp) is MLP
                     and layer.tp is None and not attention.qk_norm):
+                return False
+            if any(getattr(attention, name, None) is not None for name in ("window", "softcap", "sinks")):
                 return False
             linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(isinstance(m, (W4A8Linear, MixedLinear)) for m in linears):
