@@ -1,7 +1,8 @@
-"""Attention problems whose keys have known positions, and a dense float64 reference for them: what the
-attention backends' variants (sliding windows, soft-caps, sinks; engine/attention/base.py) are tested
-against. A request is a prefix of cached keys at positions 0..prefix-1, then a tail (a draft tree's
-scratch keys, then the new tokens) with positions and visibility of its own."""
+"""Helpers for the attention backends' tests: the torch backend's two paths one at a time, and
+attention problems whose keys have known positions, with a dense float64 reference that the variants
+(sliding windows, soft-caps, sinks; engine/attention/base.py) are tested against. A request is a prefix
+of cached keys at positions 0..prefix-1, then a tail (a draft tree's scratch keys, then the new tokens)
+with positions and visibility of its own."""
 
 from __future__ import annotations
 
@@ -10,10 +11,25 @@ from typing import Optional, Sequence
 
 import torch
 
+from engine.attention.torch_backend import TorchAttentionBackend
 from engine.core.forward_batch import ForwardBatch, make_batch
 from engine.memory.kv_pool import KVPool
 
 H, HKV, D, SLOTS = 4, 2, 16, 800
+
+
+class Gathering(TorchAttentionBackend):
+    """The torch backend always by gather + SDPA."""
+
+    def uses_key_lists(self, batch, max_new):
+        return False
+
+
+class ThroughKernel(TorchAttentionBackend):
+    """The torch backend always through kernels/cpu_attention.c."""
+
+    def uses_key_lists(self, batch, max_new):
+        return True
 
 
 @dataclass

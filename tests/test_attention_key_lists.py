@@ -13,18 +13,9 @@ from engine.attention import torch_backend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.core.forward_batch import make_batch
 from engine.memory.kv_pool import KVPool
+from tests.attention_cases import Gathering, ThroughKernel as KeyLists
 
 H, HKV, D, SLOTS = 6, 2, 16, 2000
-
-
-class Gathering(TorchAttentionBackend):
-    def uses_key_lists(self, batch, max_new):
-        return False
-
-
-class KeyLists(TorchAttentionBackend):
-    def uses_key_lists(self, batch, max_new):
-        return True
 
 
 def pool_with_values(seed: int = 0, dtype=torch.float32) -> KVPool:

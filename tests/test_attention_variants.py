@@ -13,7 +13,7 @@ import torch
 from engine.attention.torch_backend import KeyLists, TorchAttentionBackend
 from engine.core.forward_batch import make_batch
 from spec_kernels import cpu_attention
-from tests.attention_cases import D, build, dense_reference, draft_frontier, extend, tree
+from tests.attention_cases import D, Gathering, ThroughKernel, build, dense_reference, draft_frontier, extend, tree
 from tests.compiler import needs_compiler
 from tests.tiny import make_model, tiny_engine
 
@@ -38,16 +38,6 @@ VARIANTS = {
     "sinks": {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])},
     "all three": {"window": 4, "softcap": 1.5, "sinks": torch.tensor([1.0, 0.0, -0.5, 3.0])},
 }
-
-
-class Gathering(TorchAttentionBackend):
-    def uses_key_lists(self, batch, max_new):
-        return False
-
-
-class ThroughKernel(TorchAttentionBackend):
-    def uses_key_lists(self, batch, max_new):
-        return True
 
 
 def triton_backend(pool):
