@@ -79,6 +79,21 @@ def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
+def sliding_window(config, layer: int) -> int | None:
+    """The layer's sliding window (None: it attends to everything), as transformers reads it: by
+    `layer_types` where the config lists them (Gemma's local layers, Qwen2's upper layers), else every
+    layer's where the config names one (Mistral v0.1, Phi-3). transformers 4's Qwen2 configs list no
+    types: `use_sliding_window` from `max_window_layers` on."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:       # a layer past them (a draft's, an MTP layer's) attends to everything
+        return window if layer < len(types) and types[layer] == "sliding_attention" else None
+    if config.model_type in ("qwen2", "qwen3", "mimo"):
+        on = getattr(config, "use_sliding_window", False) and layer >= getattr(config, "max_window_layers", 0)
+        return window if on else None
+    return window
+
+
 class Attention(nn.Module):
     def __init__(self, config, layer: int):
         super().__init__()
@@ -99,6 +114,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.scale = self.head_dim ** -0.5
+        self.window = sliding_window(config, layer)
+        self.softcap: float | None = None       # a logit soft-cap: set by families that have one
 
     def forward(self, x, rope, batch: ForwardBatch, backend: AttentionBackend):
         T = x.shape[0]
@@ -109,7 +126,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
         q, k = rotate(qk, rope).split((H, Hkv), dim=1)
-        out = backend.forward(q, k, v, self.layer, batch, self.scale)
+        out = backend.forward(q, k, v, self.layer, batch, self.scale, window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(T, -1))
 
 
@@ -152,15 +169,16 @@ def embedding(config) -> nn.Embedding:
 
 
 class LlamaModel(nn.Module):
-    layer_class = DecoderLayer      # other families bring their own layers
+    # Other families bring their own layers, final norm and rotary tables (built alike).
+    layer_class, norm_class, rotary_class = DecoderLayer, RMSNorm, Rotary
 
     def __init__(self, config, max_positions: int):
         super().__init__()
         self.embed_tokens = embedding(config)
         self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary = Rotary(config, head_dim, max_positions)
+        self.rotary = self.rotary_class(config, head_dim, max_positions)
 
 
 class LlamaForCausalLM(nn.Module):
