@@ -29,6 +29,11 @@ def _target(target_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return json.loads((Path(target_dir) / "config.json").read_text()), load_file(Path(target_dir) / "model.safetensors")
 
 
+def _head(weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The target's lm_head weight: its embedding where the two are tied (Gemma's, a tied Llama's)."""
+    return weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+
+
 def _draft_config(target: dict, architecture: str, hidden: Optional[int] = None, **extra) -> dict:
     hidden = hidden or target["hidden_size"]
     return {
@@ -93,7 +98,7 @@ def save_sglang_eagle(path: Path, target_dir: Path, config: dict, tensors: dict[
     path.mkdir(parents=True, exist_ok=True)
     _, weights = _target(target_dir)
     renamed = {f"model.{name}": t.contiguous() for name, t in tensors.items()}
-    renamed["lm_head.weight"] = weights["lm_head.weight"].clone()
+    renamed["lm_head.weight"] = _head(weights).clone()
     (path / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLMEagle"]}, indent=2))
     save_file(renamed, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
@@ -122,7 +127,7 @@ def save_eagle3(path: Path, target_dir: Path, seed: int = 0, draft_vocab: int = 
         "midlayer.hidden_norm.weight": 1 + torch.randn(h, generator=gen) * _STD,
         "norm.weight": 1 + torch.randn(h, generator=gen) * _STD,
         # Rows copied from the target's head: the draft then tends to agree with the target somewhat.
-        "lm_head.weight": weights["lm_head.weight"][ids].clone(),
+        "lm_head.weight": _head(weights)[ids].clone(),
         "d2t": ids - torch.arange(draft_vocab) if d2t is None else d2t,
         "t2d": t2d,
         "embed_tokens.weight": weights["model.embed_tokens.weight"].clone(),
@@ -247,7 +252,7 @@ def save_mtp_target(path: Path, base_dir: Path, layout: str, seed: int = 0,
         else:
             prefix = f"model.layers.{config['num_hidden_layers'] + k}"
             weights[f"{prefix}.embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
-            weights[f"{prefix}.shared_head.head.weight"] = weights["lm_head.weight"].clone()
+            weights[f"{prefix}.shared_head.head.weight"] = _head(weights).clone()
         weights.update(mtp_layer_tensors(config, prefix, layout, seed + k, flag))
     (path / "config.json").write_text(json.dumps(config, indent=2))
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -98,11 +98,12 @@ def _save_random(path: Path, model_cls, config, seed: int, dtype, chat_template:
     return path
 
 
-def reference_greedy(model_dir: Path, prompt_ids: list[int], n: int) -> list[int]:
-    """Greedy decoding by full recomputation with transformers' own modeling: the ground truth."""
+def reference_greedy(model_dir: Path, prompt_ids: list[int], n: int, **load) -> list[int]:
+    """Greedy decoding by full recomputation with transformers' own modeling: the ground truth. `load`:
+    more from_pretrained arguments (a GGUF file's gguf_file=)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load).eval()
     ids = list(prompt_ids)
     with torch.no_grad():
         for _ in range(n):

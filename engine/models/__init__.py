@@ -5,11 +5,14 @@ from __future__ import annotations
 from engine.errors import ModelLoadError
 from engine.loader.fp8_quant import fp8_checkpoint
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.models.gemma import GemmaForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.llama import LlamaForCausalLM
 
 ARCHITECTURES = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,     # MLA, MoE and a nextn layer, which the target skips
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,         # Gemma 3's text decoder (gemma3_text)
     "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -23,6 +26,7 @@ ARCHITECTURES = {
 # Configs converted from GGUF may name no architecture; their model_type says as much.
 MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
                "qwen3": LlamaForCausalLM, "deepseek_v3": DeepseekV3ForCausalLM, "granite": GraniteForCausalLM,
+               "gemma2": GemmaForCausalLM, "gemma3_text": GemmaForCausalLM,
                "phi3": LlamaForCausalLM}
 
 
@@ -37,4 +41,4 @@ def model_class(config, source: str):
     raise ModelLoadError(
         f"{source}: architecture {', '.join(archs) or config.model_type!r} is not supported. "
         f"Supported: {', '.join(ARCHITECTURES)}. Pass a model of one of these families "
-        "(Llama 2/3/3.1, SmolLM2, Mistral, Qwen2/2.5, Qwen3, MiMo, DeepSeek-V3, Granite 3).")
+        "(Llama 2/3/3.1, SmolLM2, Mistral, Qwen2/2.5, Qwen3, MiMo, DeepSeek-V3, Granite 3, Gemma 2, Gemma 3 text).")
