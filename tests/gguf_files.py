@@ -42,13 +42,16 @@ def tiny_llama(vocab_size: int, tie: bool = False, hidden_size: int = 64, interm
 
 
 def write_tiny_gguf(path: Path, model, tokenizer, linear_types: dict[str, str] | None = None) -> None:
-    """Write `model` as llama.cpp's convert_hf_to_gguf.py would: F32 tensors (or, for the decoder's
-    linears named in linear_types, e.g. {"q_proj": "Q4_1"}, that GGUF quantization), Q/K rows permuted."""
+    """Write `model` (a Llama, Gemma 2 or Gemma 3) as llama.cpp's convert_hf_to_gguf.py would: F32 tensors
+    (or, for the decoder's linears named in linear_types, e.g. {"q_proj": "Q4_1"}, that GGUF quantization),
+    a Llama's Q/K rows permuted, Gemma's norm weights stored as 1 + w with its head size, window, soft-caps
+    and global RoPE scaling in the header."""
     import gguf
 
     config = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny llama")
+    arch = {"llama": "llama", "gemma2": "gemma2", "gemma3_text": "gemma3"}[config.model_type]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny {arch}")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -56,7 +59,18 @@ def write_tiny_gguf(path: Path, model, tokenizer, linear_types: dict[str, str] |
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if arch != "llama":
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
 
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
@@ -72,12 +86,14 @@ def write_tiny_gguf(path: Path, model, tokenizer, linear_types: dict[str, str] |
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     for hf_name, tensor in model.named_parameters():  # a tied lm_head once, as llama.cpp writes it
         base, suffix = hf_name.rsplit(".", 1)
         data = tensor.detach().float().numpy()
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(base.split(".")[-1])
-        if heads:  # llama.cpp interleaves the two rotary halves of every head
+        if arch != "llama" and base.endswith("norm"):
+            data = data + 1             # Gemma's norms scale by 1 + w; llama.cpp stores the sum
+        elif heads and arch == "llama":  # llama.cpp interleaves the two rotary halves of every head
             data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2)
             data = np.ascontiguousarray(data.reshape(tensor.shape))
         kind = (linear_types or {}).get(base.split(".")[-1]) if suffix == "weight" else None

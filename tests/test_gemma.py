@@ -28,14 +28,14 @@ FAMILIES = {
 }
 
 
-def make_gemma(path: Path, arch: str) -> Path:
+def make_gemma(path: Path, arch: str, **config) -> Path:
     """A tiny random `arch` checkpoint with tied embeddings, its norms' weights random too (stored around 0,
     read as 1 + w) and its embedding shrunk: scaled by sqrt(hidden) and tied to the head, the default one
-    makes every greedy step repeat its input token."""
+    makes every greedy step repeat its input token. `config` overrides the layers and config fields."""
     from safetensors.torch import load_file, save_file
 
-    path = make_model(path, arch, layers=3, tie=True, layer_types=LOCAL_GLOBAL, sliding_window=WINDOW,
-                      query_pre_attn_scalar=24, **FAMILIES[arch])
+    config = {"layers": 3, "layer_types": LOCAL_GLOBAL, "query_pre_attn_scalar": 24, **FAMILIES[arch], **config}
+    path = make_model(path, arch, tie=True, sliding_window=WINDOW, **config)
     weights, gen = load_file(path / "model.safetensors"), torch.Generator().manual_seed(1)
     for name, tensor in weights.items():
         if name.endswith("norm.weight"):
@@ -94,6 +94,32 @@ def test_embedding_gemma_is_refused(gemma, tmp_path):
     (model / "config.json").write_text(json.dumps({**config, "use_bidirectional_attention": True}))
     with pytest.raises(ModelLoadError, match="EmbeddingGemma"):
         tiny_engine(model)
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_gguf_converts_to_the_model_written(arch, tmp_path, monkeypatch):
+    """A tiny Gemma written as llama.cpp writes it (norms stored as 1 + w, no attention scale, layer types or
+    local RoPE base in the header: llama.cpp's rules fix them) serves as the checkpoint it was written from."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import Engine
+    from tests.gguf_files import gguf_tokenizer, write_tiny_gguf
+
+    monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
+    tokenizer = gguf_tokenizer()
+    # llama.cpp's rules: layer types by the family's pattern (Gemma 3: every 6th global), scale 1/sqrt(head_dim),
+    # Gemma 3's local base 10000.
+    layers = {"gemma2": {"layers": 3}, "gemma3": {"layers": 6, "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}}[arch]
+    source = make_gemma(tmp_path / "hf", arch, vocab=len(tokenizer), layer_types=None, query_pre_attn_scalar=16,
+                        **layers)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_tiny_gguf(path, AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), tokenizer)
+    prompts = random_prompts(2, seed=4, lo=WINDOW + 2, hi=30)
+    with Engine(model_path=str(path), dtype="float32", max_total_tokens=2048) as eng:
+        outs = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)]
+    assert outs == [reference_greedy(source, p, GREEDY["max_new_tokens"]) for p in prompts]
 
 
 # A prompt past the real model's sliding window (512), so that its local layers see less than the global ones.

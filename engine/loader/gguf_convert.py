@@ -126,6 +126,7 @@ def _convert_into(path: Path, dtype: torch.dtype, out: Path) -> None:
     folder, name = str(path.parent), path.name
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        _gemma_settings(path, config)
         # A weightless model on the meta device: transformers maps GGUF tensor names onto its names.
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
@@ -149,6 +150,33 @@ def _convert_into(path: Path, dtype: torch.dtype, out: Path) -> None:
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)  # includes the GGUF's chat template, if it has one
+
+
+def _gemma_settings(path: Path, config) -> None:
+    """Set what a Gemma 2/3 file means but transformers' GGUF reader leaves at its config's defaults, as
+    llama.cpp reads the file: the attention scale (1/sqrt(head_dim), or 1/sqrt(hidden / heads) for the
+    27B models, which llama.cpp knows by their layer count: no key says it), Gemma 2's soft-caps, and
+    Gemma 3's global RoPE scaling (linear, on the 4B and larger)."""
+    import gguf
+
+    arch = config.model_type.removesuffix("_text")
+    if arch not in ("gemma2", "gemma3"):
+        return
+    fields = gguf.GGUFReader(path).fields
+
+    def value(key: str):
+        return fields[f"{arch}.{key}"].contents() if f"{arch}.{key}" in fields else None
+
+    big = config.num_hidden_layers == {"gemma2": 46, "gemma3": 62}[arch]
+    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if big else config.head_dim
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if value(key) is not None:
+            setattr(config, key, value(key))
+    kind = value("rope.scaling.type")
+    if arch == "gemma3" and kind not in (None, "none"):
+        if kind != "linear":
+            raise ValueError(f"Gemma 3 with RoPE scaling {kind!r} (llama.cpp writes only linear scaling for it)")
+        config.rope_parameters["full_attention"].update(rope_type="linear", factor=value("rope.scaling.factor"))
 
 
 def _write_tensors(path: Path, config, skeleton, dtype: torch.dtype, out: Path) -> set[str]:
