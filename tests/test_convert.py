@@ -80,12 +80,12 @@ def test_token_map_command_counts_the_corpus(target, tmp_path):
 
 
 def test_token_map_of_a_target_the_engine_refuses_suggests_no_serve_command(target, tmp_path):
-    """A map needs only the tokenizer (gemma3-270m's, say); the closing hint must not name a spec serve
+    """A map needs only the tokenizer (a Mamba's, say); the closing hint must not name a spec serve
     command that would be refused."""
     other = tmp_path / "other"
     shutil.copytree(target, other)
     config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"]}))
+    (other / "config.json").write_text(json.dumps({**config, "architectures": ["MambaForCausalLM"]}))
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 3)
     result = run("convert", "token-map", "--model", str(other), "--dataset", str(corpus), "--size", "12",
