@@ -46,20 +46,21 @@ def make_tokenizer(path: Path, chat_template: str = CHAT_TEMPLATE):
 def make_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden: int = 64, vocab: int = 320,
                seed: int = 0, max_pos: int = 512, tie: bool = False, dtype=torch.float32,
                chat_template: str = CHAT_TEMPLATE, **extra):
-    """Save a random model of `arch` (llama, qwen2, qwen3, mistral, granite, gemma2, gemma3, phi3) with the
-    tiny tokenizer; return its dir."""
+    """Save a random model of `arch` (a key of the table below) with the tiny tokenizer; return its dir."""
     import transformers as tf
 
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
            "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
            "granite": (tf.GraniteConfig, tf.GraniteForCausalLM), "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
-           "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM), "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM)}
+           "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM), "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+           "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM), "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+           "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM), "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM)}
     config_cls, model_cls = cls[arch]
     config = config_cls(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                         num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
                         max_position_embeddings=max_pos, tie_word_embeddings=tie,
                         bos_token_id=0, eos_token_id=1, pad_token_id=2, **extra)
-    if arch in ("qwen3", "gemma2", "gemma3"):
+    if arch in ("qwen3", "qwen3_moe", "gemma2", "gemma3"):
         config.head_dim = hidden // 4
     return _save_random(path, model_cls, config, seed, dtype, chat_template)
 

@@ -8,6 +8,7 @@ from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.mixtures import MixtureForCausalLM
 
 ARCHITECTURES = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,     # MLA, MoE and a nextn layer, which the target skips
@@ -16,10 +17,14 @@ ARCHITECTURES = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtureForCausalLM,
     "MiMoForCausalLM": LlamaForCausalLM,          # Qwen2 plus MTP layers, which the target skips
     "Phi3ForCausalLM": LlamaForCausalLM,          # Phi-3/3.5/4: q/k/v and gate/up stored fused, as Llama's run
+    "OlmoeForCausalLM": MixtureForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": MixtureForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": MixtureForCausalLM,
 }
 
 
@@ -27,7 +32,8 @@ ARCHITECTURES = {
 MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
                "qwen3": LlamaForCausalLM, "deepseek_v3": DeepseekV3ForCausalLM, "granite": GraniteForCausalLM,
                "gemma2": GemmaForCausalLM, "gemma3_text": GemmaForCausalLM,
-               "phi3": LlamaForCausalLM}
+               "phi3": LlamaForCausalLM, "mixtral": MixtureForCausalLM, "olmoe": MixtureForCausalLM,
+               "qwen2_moe": MixtureForCausalLM, "qwen3_moe": MixtureForCausalLM}
 
 
 def model_class(config, source: str):
@@ -41,4 +47,5 @@ def model_class(config, source: str):
     raise ModelLoadError(
         f"{source}: architecture {', '.join(archs) or config.model_type!r} is not supported. "
         f"Supported: {', '.join(ARCHITECTURES)}. Pass a model of one of these families "
-        "(Llama 2/3/3.1, SmolLM2, Mistral, Qwen2/2.5, Qwen3, MiMo, DeepSeek-V3, Granite 3, Gemma 2, Gemma 3 text).")
+        "(Llama 2/3/3.1, SmolLM2, Mistral, Mixtral, Qwen2/2.5, Qwen2-MoE, Qwen3, Qwen3-MoE, MiMo, OLMoE, "
+        "DeepSeek-V3, Granite 3, Phi-3/3.5/4, Gemma 2, Gemma 3 text).")

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.llama import MLP, DecoderLayer, LlamaForCausalLM, RMSNorm, Rotary, embedding, rotate
+from engine.models.moe import Experts, MoE
 from engine.models.rope import rope_parameters
 
 # transformers' DeepSeek-V3 gives the latent norms their own eps, not rms_norm_eps.
@@ -133,27 +134,17 @@ class Router(nn.Module):
         return weights * self.scaling, ids
 
 
-class MoE(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.gate = Router(config)
-        self.experts = nn.ModuleList(MLP(config, config.moe_intermediate_size) for _ in range(config.n_routed_experts))
-        self.shared_experts = MLP(config, config.moe_intermediate_size * config.n_shared_experts)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        routed = torch.zeros_like(x)
-        for e in ids.unique().tolist():      # the experts this batch chose, in order, as transformers sums them
-            rows, slot = (ids == e).nonzero(as_tuple=True)
-            routed.index_add_(0, rows, (self.experts[e](x[rows]) * weights[rows, slot, None]).to(x.dtype))
-        return routed + self.shared_experts(x)
-
-
 def decoder_layer(config, layer: int, moe: bool | None = None) -> DecoderLayer:
     """Layer `layer` with MLA; `moe`: a mixture-of-experts MLP (default: from layer first_k_dense_replace
     on, as the target's layers are laid out; an MTP layer says by its weights)."""
     moe = layer >= config.first_k_dense_replace if moe is None else moe
-    return DecoderLayer(config, layer, MlaAttention(config, layer), MoE(config) if moe else MLP(config))
+    return DecoderLayer(config, layer, MlaAttention(config, layer), _moe(config) if moe else MLP(config))
+
+
+def _moe(config) -> MoE:
+    size = config.moe_intermediate_size
+    return MoE(Router(config), Experts(config, config.n_routed_experts, size),
+               MLP(config, size * config.n_shared_experts))
 
 
 class DeepseekV3Model(nn.Module):

@@ -101,15 +101,15 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        # Qwen2 (and MiMo, built on it) has q/k/v biases only, whatever attention_bias says (MiMo's
-        # config says true); Llama's attention_bias puts one on o_proj too.
-        qwen2 = config.model_type in ("qwen2", "mimo")
+        # Qwen2 (and MiMo and Qwen2-MoE, built on it) has q/k/v biases only, whatever attention_bias says
+        # (MiMo's config says true); Llama's attention_bias puts one on o_proj too.
+        qwen2 = config.model_type in ("qwen2", "mimo", "qwen2_moe")
         bias = bool(getattr(config, "attention_bias", False)) and not qwen2
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, q + 2 * kv, bias=bias or qwen2)
         self.o_proj = nn.Linear(q, config.hidden_size, bias=bias)
         self.split = (q, kv, kv)       # rows of q, k and v in the fused projection
-        self.qk_norm = config.model_type == "qwen3"
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -119,15 +119,22 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, batch: ForwardBatch, backend: AttentionBackend):
         T = x.shape[0]
+        qk, v = self.project(x)
+        q, k = rotate(qk, rope).split((self.num_heads, self.num_kv_heads), dim=1)
+        out = backend.forward(q, k, v, self.layer, batch, self.scale, window=self.window, softcap=self.softcap)
+        return self.o_proj(out.reshape(T, -1))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q and k heads [T, H + Hkv, D], before rotation; v [T, Hkv, D]); families with other norms
+        between the projection and the rotation override it."""
+        T = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)
         v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
-        q, k = rotate(qk, rope).split((H, Hkv), dim=1)
-        out = backend.forward(q, k, v, self.layer, batch, self.scale, window=self.window, softcap=self.softcap)
-        return self.o_proj(out.reshape(T, -1))
+        return qk, v
 
 
 class MLP(nn.Module):
