@@ -16,6 +16,7 @@ FAMILIES = {
     "mistral": dict(sliding_window=8),                          # Mistral v0.1: every layer windowed
     "qwen2": dict(use_sliding_window=True, sliding_window=6, max_window_layers=2),     # the upper layers
     "phi3-window": dict(sliding_window=7),
+    "qwen3": {},                                                # per-head q/k norms
     # Mixtures of experts: 4 experts, 2 a token; Qwen's dense first layer, Qwen2-MoE's gated shared expert.
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       mlp_only_layers=[0]),
