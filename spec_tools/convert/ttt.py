@@ -42,7 +42,10 @@ class TTTAttention:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
-    def forward(self, q, k, v, layer, batch, scale):
+    def forward(self, q, k, v, layer, batch, scale, *, window=None, softcap=None, sinks=None):
+        if window is not None or softcap is not None or sinks is not None:
+            raise ValueError("an EAGLE-3 head trains with full attention: its layer has no sliding window, "
+                             "soft-cap or attention sinks")
         B, L = self.shape
         T, heads, dim = q.shape
         q = q.view(B, L, heads, dim).transpose(1, 2)                  # [B, heads, L, dim]
