@@ -92,10 +92,10 @@ class SdpaOnly(Gathering):
         super().prepare(batch)
         self.kv = self.kv_pool.gather(0, batch.attn.kv_index)
 
-    def forward(self, q, k, v, layer, batch, scale):
+    def forward(self, q, k, v, layer, batch, scale, **variants):
         pool, self.kv_pool = self.kv_pool, _Gathered(self.kv_pool, self.kv)
         try:
-            return super().forward(q, k, v, layer, batch, scale)
+            return super().forward(q, k, v, layer, batch, scale, **variants)
         finally:
             self.kv_pool = pool
 
@@ -123,7 +123,7 @@ class Views(AttentionBackend):
         starts = batch.table[batch.rows, 0].tolist()
         batch.attn = [(s, p, n) for s, p, n in zip(starts, batch.prefix_lens, batch.extend_lens)]
 
-    def forward(self, q, k, v, layer, batch, scale):
+    def forward(self, q, k, v, layer, batch, scale, **variants):     # SmolLM2's layers have none
         self.kv_pool.store(layer, batch.out_slots, k, v)
         keys, values, out, t = self.kv_pool.k[layer], self.kv_pool.v[layer], [], 0
         for start, prefix, new in batch.attn:
@@ -166,7 +166,7 @@ class _NoAttention(AttentionBackend):
     def prepare(self, batch):
         pass
 
-    def forward(self, q, k, v, layer, batch, scale):
+    def forward(self, q, k, v, layer, batch, scale, **variants):
         return q.contiguous()
 
 
