@@ -18,6 +18,7 @@ from engine.loader import load_tokenizer
 from engine.speculative.token_map import load_token_map
 from spec_cli.main import app
 from tests import eagle_checkpoints as ckpt
+from tests.planning import untimed
 from tests.tiny import make_model
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
@@ -36,13 +37,14 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def plain(target):
     batch = prompts(4)
-    outs = Engine(model_path=str(target), dtype="float32", max_total_tokens=2048).generate(
+    outs = Engine(planner=untimed, model_path=str(target), dtype="float32", max_total_tokens=2048).generate(
         input_ids=batch, sampling_params=GREEDY)
     return batch, [o["output_ids"] for o in outs]
 
 
 def generate(target, algorithm, draft, batch, **kw):
-    eng = Engine(model_path=str(target), dtype="float32", max_total_tokens=2048, speculative_algorithm=algorithm,
+    eng = Engine(planner=untimed,
+                 model_path=str(target), dtype="float32", max_total_tokens=2048, speculative_algorithm=algorithm,
                  speculative_draft_model_path=str(draft), **TREE, **kw)
     outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
     return [o["output_ids"] for o in outs], [o["meta_info"]["spec_verify_ct"] for o in outs], eng

@@ -11,6 +11,7 @@ import torch
 from engine import Engine, ModelLoadError
 from engine.core.forward_batch import make_batch
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM, MoE
+from tests.planning import untimed
 from tests.tiny import make_deepseek_v3, random_prompts, reference_greedy, tiny_runner
 
 YARN = {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
@@ -43,7 +44,7 @@ def test_logits_match_transformers(tmp_path, variant):
 def test_greedy_decoding_matches_transformers(tmp_path):
     """Prefill, then one-token decode steps over the paged cache, batched: transformers' own greedy."""
     model_dir = make_deepseek_v3(tmp_path)
-    eng = Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=2048)
+    eng = Engine(planner=untimed, model_path=str(model_dir), dtype="float32", max_total_tokens=2048)
     batch = random_prompts(3, seed=2)
     outs = eng.generate(input_ids=batch, sampling_params={"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})
     assert [o["output_ids"] for o in outs] == [reference_greedy(model_dir, p, 16) for p in batch]
@@ -51,7 +52,7 @@ def test_greedy_decoding_matches_transformers(tmp_path):
 
 def test_router_stays_fp32_in_a_bf16_model(tmp_path):
     model_dir = make_deepseek_v3(tmp_path)
-    eng = Engine(model_path=str(model_dir), dtype="bfloat16", max_total_tokens=256)
+    eng = Engine(planner=untimed, model_path=str(model_dir), dtype="bfloat16", max_total_tokens=256)
     model = eng.debug.target.model
     gate = model.model.layers[1].mlp.gate
     assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32

@@ -10,6 +10,7 @@ import pytest
 
 from engine import Engine
 from engine.core.sampling_params import SamplingParams
+from tests.planning import untimed
 from tests.tiny import make_model, random_prompts
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -21,7 +22,7 @@ def target(tmp_path_factory):
 
 
 def engine(target, **kw) -> Engine:
-    return Engine(model_path=str(target), dtype="float32", max_total_tokens=4096, **kw)
+    return Engine(planner=untimed, model_path=str(target), dtype="float32", max_total_tokens=4096, **kw)
 
 
 def params(n_tokens: int, n: int = 1) -> SamplingParams:

@@ -15,10 +15,11 @@ import torch
 from engine import Engine
 from engine.errors import ConfigError, ModelLoadError
 from engine.loader import iter_weights, load_config
-from engine.loader.fp8_quant import E4M3, E4M3_MAX, Fp8Weight, quantize, stored_weight
+from engine.loader.fp8_quant import E4M3, E4M3_MAX, quantize, stored_weight
 from engine.core.model_runner import load_model
 from engine.models.fp8 import Fp8Linear, quantize_activations, reference_gemm, scaled_gemm
 from tests.fp8_checkpoints import blockwise, dequantized_reference, save_fp8_checkpoint
+from tests.planning import untimed
 from tests.tiny import make_model, random_prompts, reference_greedy, tiny_engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
@@ -154,7 +155,7 @@ def test_fp8_checkpoint_on_cpu_is_served_dequantized(scheme, float_model, tmp_pa
     fp8, ref = save_fp8_checkpoint(float_model, tmp_path / "fp8", SCHEMES[scheme])
     prompts = random_prompts(3, seed=6)
     with caplog.at_level(logging.INFO, logger="engine.core.model_runner"):
-        eng = Engine(model_path=str(fp8), dtype="float32", max_total_tokens=2048)
+        eng = Engine(planner=untimed, model_path=str(fp8), dtype="float32", max_total_tokens=2048)
     assert "FP8 checkpoint" in caplog.text and "dequantized to torch.float32" in caplog.text
     outs = eng.generate(input_ids=prompts, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == [reference_greedy(ref, p, 16) for p in prompts]
@@ -167,7 +168,7 @@ def test_deepseek_block_fp8_checkpoint_is_read(tmp_path):
 
     fp8, ref = save_fp8_checkpoint(make_deepseek_v3(tmp_path / "float"), tmp_path / "fp8", (128, 128))
     prompts = random_prompts(2, seed=9)
-    eng = Engine(model_path=str(fp8), dtype="float32", max_total_tokens=2048)
+    eng = Engine(planner=untimed, model_path=str(fp8), dtype="float32", max_total_tokens=2048)
     outs = eng.generate(input_ids=prompts, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == [reference_greedy(ref, p, 16) for p in prompts]
     model = load_model(fp8, load_config(fp8), torch.float32, "cpu", 64, prepack=False, quantization="fp8")

@@ -5,7 +5,6 @@ converted checkpoint."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 from engine.core.forward_batch import make_batch
 from engine.models.gemma import GemmaForCausalLM
 from tests.drafts import ALGOS, draft_setup
+from tests.planning import untimed
 from tests.tiny import make_model, random_prompts, reference_greedy, tiny_engine, tiny_runner
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
@@ -87,7 +87,7 @@ def test_embedding_gemma_is_refused(gemma, tmp_path):
     import json
     import shutil
 
-    from engine import Engine, ModelLoadError
+    from engine import ModelLoadError
 
     model = shutil.copytree(gemma, tmp_path / "bidirectional")
     config = json.loads((model / "config.json").read_text())
@@ -117,7 +117,7 @@ def test_gguf_converts_to_the_model_written(arch, tmp_path, monkeypatch):
     path = tmp_path / f"tiny-{arch}.gguf"
     write_tiny_gguf(path, AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), tokenizer)
     prompts = random_prompts(2, seed=4, lo=WINDOW + 2, hi=30)
-    with Engine(model_path=str(path), dtype="float32", max_total_tokens=2048) as eng:
+    with Engine(planner=untimed, model_path=str(path), dtype="float32", max_total_tokens=2048) as eng:
         outs = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)]
     assert outs == [reference_greedy(source, p, GREEDY["max_new_tokens"]) for p in prompts]
 
@@ -141,6 +141,7 @@ def test_gemma3_270m_gguf_is_transformers(text):
         pytest.skip(f"{path} not fetched (spec fetch gemma3-270m)")
     prompt = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)(text).input_ids
     assert text == "The capital of France is" or len(prompt) > 512
-    with Engine(model_path=str(path), dtype="float32", max_total_tokens=4096, context_length=4096) as eng:
+    with Engine(planner=untimed,
+                model_path=str(path), dtype="float32", max_total_tokens=4096, context_length=4096) as eng:
         out = eng.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 20})["output_ids"]
     assert out == reference_greedy(path.parent, prompt, 20, gguf_file=path.name)

@@ -20,6 +20,7 @@ from engine.errors import ModelLoadError
 from engine.loader import (KNOWN_MODELS, convert_gguf, fetch_model, iter_weights, load_config, load_tokenizer,
                            models_dir, resolve_model_path, transformers_model)
 from tests.gguf_files import CHAT_TEMPLATE, TEXTS, gguf_tokenizer, tiny_llama, write_tiny_gguf
+from tests.planning import untimed
 
 
 @pytest.fixture(autouse=True)
@@ -201,7 +202,7 @@ def test_trust_remote_code_reaches_the_targets_config(model_dir):
     path = str(_custom_code_model(model_dir))
     with pytest.raises(ModelLoadError, match="--trust-remote-code"):
         Engine(model_path=path, dtype="float32", max_total_tokens=256)
-    eng = Engine(model_path=path, dtype="float32", max_total_tokens=256, trust_remote_code=True)
+    eng = Engine(planner=untimed, model_path=path, dtype="float32", max_total_tokens=256, trust_remote_code=True)
     assert eng.model_config.model_type == "tiny_custom"
     assert len(eng.generate(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 2})["output_ids"]) == 2
 

@@ -11,6 +11,7 @@ import torch
 
 from engine import ConfigError, Engine, RequestError
 from engine.memory.budget import KVBudget
+from tests.planning import untimed
 from tests.tiny import make_model
 
 GiB = 2**30
@@ -23,7 +24,7 @@ def llama_dir(tmp_path_factory):
 
 
 def engine(model_dir, **kw) -> Engine:
-    return Engine(model_path=str(model_dir), dtype="float32", **kw)
+    return Engine(planner=untimed, model_path=str(model_dir), dtype="float32", **kw)
 
 
 def flag_value(message: str, flag: str) -> float:

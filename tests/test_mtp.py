@@ -14,6 +14,7 @@ from engine.errors import ConfigError, ModelLoadError
 from engine.models.mtp import MtpDraft, load_mtp_draft
 from engine.core.sampling_params import SamplingParams
 from tests import eagle_checkpoints as ckpt
+from tests.planning import untimed
 from tests.tiny import make_model, random_prompts, tiny_engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
@@ -262,6 +263,6 @@ def test_multi_layer_refusals(models, tmp_path):
     assert engine(three, "MTP", tree=TREE).args.enable_multi_layer_eagle is False
     from engine import Engine
 
-    eng = Engine(model_path=str(three), dtype="float32", speculative_algorithm="EAGLE",
+    eng = Engine(planner=untimed, model_path=str(three), dtype="float32", speculative_algorithm="EAGLE",
                  speculative_adaptive="off", max_total_tokens=4096)
     assert eng.args.enable_multi_layer_eagle and eng.args.speculative_tree == (3, 1, 4)

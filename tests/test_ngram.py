@@ -15,6 +15,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.speculative.ngram import NgramDrafter, ngram_tree
 from engine.core.step import DecodeStep
 from engine.speculative.ngram_cache import NgramCache
+from tests.planning import untimed
 from tests.tiny import make_model
 
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
@@ -219,7 +220,7 @@ def llama_dir(tmp_path_factory):
 
 
 def engine(model_dir, **kw) -> Engine:
-    return Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=4096, **kw)
+    return Engine(planner=untimed, model_path=str(model_dir), dtype="float32", max_total_tokens=4096, **kw)
 
 
 def ngram_engine(model_dir, shape=None) -> Engine:

@@ -9,6 +9,7 @@ from torch import nn
 
 from engine import Engine
 from engine.models.prepack import PrepackedLinear, can_prepack
+from tests.planning import untimed
 from tests.tiny import make_model
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -38,7 +39,7 @@ def test_prepacked_linear_matches_f_linear(dtype, owned):
 def test_engine_prepacks_cpu_weights_and_decodes_the_same(tmp_path, dtype):
     if not can_prepack("cpu", getattr(torch, dtype)):
         pytest.skip(f"no oneDNN {dtype} on this CPU")
-    eng = Engine(model_path=str(make_model(tmp_path, "llama")), dtype=dtype, max_total_tokens=2048)
+    eng = Engine(planner=untimed, model_path=str(make_model(tmp_path, "llama")), dtype=dtype, max_total_tokens=2048)
     model = eng.debug.target.model
     assert isinstance(model.model.layers[0].mlp.down_proj, PrepackedLinear) and model.packed_head is not None
     prompts = [[5, 6, 7, 8, 9], [11, 3, 250, 17, 4, 4, 90]]

@@ -16,6 +16,7 @@ from tests.drafts import ALGOS, draft_setup
 from tests.gguf_files import (assert_converted_as_transformers_reads, gguf_blocks, gguf_tokenizer, tiny_llama,
                               write_tiny_gguf)
 from tests.lossless import prompts as lossless_prompts
+from tests.planning import untimed
 from tests.tiny import make_model, tiny_engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
@@ -141,7 +142,7 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
     groups, weights = gguf_groups(converted), dict(iter_weights(converted))
     assert groups("model.layers.0.mlp.down_proj.weight").bits == 8
 
-    engines = {kw: Engine(model_path=str(path), max_total_tokens=2048, **dict([kw])) for kw in
+    engines = {kw: Engine(planner=untimed, model_path=str(path), max_total_tokens=2048, **dict([kw])) for kw in
                (("quantization", "auto"), ("quantization", "w8a8_int8"), ("quantization", "w4a8"),
                 ("quantization", "int4"), ("dtype", "float32"))}
     kinds = {kw: {type(m).__name__ for m in e.debug.target.model.modules()} for kw, e in engines.items()}
@@ -169,7 +170,8 @@ def test_gguf_layers_are_kept_and_served_quantized(tmp_path, monkeypatch):
         assert (logits[kw] - reference).abs().max() < 0.05 * reference.abs().max(), kw
     # As a STANDALONE draft under w4a8 the Q8_0 layer and the head are 4-bit too (a draft's bits change
     # only acceptance); the output is the w4a8 target's.
-    spec = Engine(model_path=str(path), max_total_tokens=2048, quantization="w4a8", speculative_algorithm="STANDALONE",
+    spec = Engine(planner=untimed,
+                  model_path=str(path), max_total_tokens=2048, quantization="w4a8", speculative_algorithm="STANDALONE",
                   speculative_draft_model_path=str(path), speculative_draft_model_quantization="w4a8")
     draft = spec.debug.drafter.model
     assert type(draft.model.layers[0].mlp.down_proj) is W4A8Linear and type(draft.quant_head) is W4A8Linear
@@ -205,8 +207,8 @@ def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tie, tmp_path, monk
     weights = dict(iter_weights(converted))
     head_name = "model.embed_tokens.weight" if tie else "lm_head.weight"
 
-    target = Engine(model_path=str(path), max_total_tokens=2048, quantization="w4a8")
-    reference = Engine(model_path=str(path), max_total_tokens=2048, dtype="float32")
+    target = Engine(planner=untimed, model_path=str(path), max_total_tokens=2048, quantization="w4a8")
+    reference = Engine(planner=untimed, model_path=str(path), max_total_tokens=2048, dtype="float32")
     served = target.debug.target.model
     assert type(served.model.layers[1].mlp.down_proj) is Q6KLinear
     o_proj = served.model.layers[1].self_attn.o_proj
@@ -233,7 +235,8 @@ def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tie, tmp_path, monk
             logits.append(runner.forward(batch, all_logits=True).logits.float())
     assert (logits[0] - logits[1]).abs().max() < 0.05 * logits[1].abs().max()
 
-    spec = Engine(model_path=str(path), max_total_tokens=2048, quantization="w4a8", speculative_algorithm="STANDALONE",
+    spec = Engine(planner=untimed,
+                  model_path=str(path), max_total_tokens=2048, quantization="w4a8", speculative_algorithm="STANDALONE",
                   speculative_draft_model_path=str(path), speculative_draft_model_quantization="w4a8")
     draft = spec.debug.drafter.model
     assert type(draft.model.layers[1].mlp.down_proj) is W4A8Linear and type(draft.quant_head) is W4A8Linear

@@ -11,6 +11,7 @@ import torch
 from engine import Engine
 from engine.core.sampling_params import SamplingParams
 from tests.drafts import ALGOS, draft_setup
+from tests.planning import untimed
 from tests.tiny import make_model
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
@@ -30,7 +31,7 @@ def build(algo, target, tmp_path) -> Engine:
     spec = {} if algo is None else {"speculative_algorithm": algo, **dict(zip(
         ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"), (3, 2, 5))),
         **draft_setup(algo, target, tmp_path)}
-    return Engine(**{"model_path": str(target), "dtype": "float32", "max_total_tokens": 4096, **spec})
+    return Engine(planner=untimed, **{"model_path": str(target), "dtype": "float32", "max_total_tokens": 4096, **spec})
 
 
 def target_model(eng: Engine):
@@ -79,7 +80,8 @@ def test_a_failing_request_fails_alone(algo, phase, target, tmp_path, monkeypatc
 def test_lpm_cannot_starve_a_request_without_a_cached_prefix(target):
     """One request runs at a time; a cached prefix P attracts a stream of later requests. The one
     sharing nothing is overtaken a bounded number of times, not until the stream dries up."""
-    eng = Engine(model_path=str(target), dtype="float32", max_total_tokens=4096, max_running_requests=1,
+    eng = Engine(planner=untimed,
+                 model_path=str(target), dtype="float32", max_total_tokens=4096, max_running_requests=1,
                  schedule_policy="lpm")
     shared = list(range(10, 40))
     eng.generate(input_ids=shared + [5], sampling_params=GREEDY)          # P is cached now

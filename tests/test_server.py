@@ -24,6 +24,7 @@ import pytest
 
 from engine import Engine, ServerArgs
 from engine.server.limits import ReadDeadlineProtocol
+from tests.planning import untimed
 from tests.serving import Live, free_port, serve, server_args, sse
 from tests.tiny import deep_schema, make_model
 
@@ -101,7 +102,7 @@ def small(model_dir):
 
 @pytest.fixture(scope="module")
 def offline(model_dir):
-    return Engine(server_args=server_args(model_dir))
+    return Engine(planner=untimed, server_args=server_args(model_dir))
 
 
 def sync_client(live: Live) -> openai.OpenAI:

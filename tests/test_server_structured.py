@@ -11,8 +11,9 @@ import pytest
 
 from engine import Engine
 from engine.server.tool_calls import ToolCallParser
-from tests.serving import free_port, serve, server_args, sse
 from tests.drafts import ALGOS, draft_setup
+from tests.planning import untimed
+from tests.serving import free_port, serve, server_args, sse
 from tests.tiny import TOOLS_CHAT_TEMPLATE, make_model
 
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
@@ -41,7 +42,7 @@ def plain(model_dir):
 
 @pytest.fixture(scope="module")
 def offline(model_dir):
-    return Engine(server_args=server_args(model_dir))
+    return Engine(planner=untimed, server_args=server_args(model_dir))
 
 
 def client(live) -> openai.OpenAI:

@@ -16,6 +16,7 @@ from engine.build import resolve_args
 from engine.loader import load_config
 from spec_cli.main import app
 from tests import eagle_checkpoints as ckpt
+from tests.planning import untimed
 from tests.tiny import make_deepseek_v3, make_model
 
 # (command line after `python3 -m sglang.launch_server`, algorithm and tree it runs with)
@@ -107,7 +108,7 @@ def test_guide_command_lines_parse_resolve_and_run(name, hub, served, fr_spec_ma
     resolved = resolve_args(parsed, config, "cuda")      # the guide's auto trees are a GPU's (a CPU's: test_config)
     assert (resolved.speculative_algorithm, resolved.speculative_tree) == (algorithm, tree)
     # The guide's memory flags size a GPU; a small pool runs the same configuration here.
-    eng = Engine(server_args=dataclasses.replace(parsed, max_total_tokens=2048))
+    eng = Engine(planner=untimed, server_args=dataclasses.replace(parsed, max_total_tokens=2048))
     out = eng.generate(input_ids=list(range(10, 30)),
                        sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
     assert len(out["output_ids"]) == 8 and out["meta_info"]["spec_verify_ct"] > 0

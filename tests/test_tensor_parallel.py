@@ -24,6 +24,7 @@ from spec_kernels import cpu_w4a8
 from tests import eagle_checkpoints as ckpt
 from tests.drafts import ALGOS, draft_setup
 from tests.lossless import GREEDY, prompts
+from tests.planning import untimed
 from tests.tiny import make_model
 
 TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
@@ -35,7 +36,7 @@ def target(tmp_path_factory):
 
 
 def engine(model, tp: int = 1, **kw) -> Engine:
-    return Engine(model_path=str(model), dtype="float32", max_total_tokens=4096, tp_size=tp, **kw)
+    return Engine(planner=untimed, model_path=str(model), dtype="float32", max_total_tokens=4096, tp_size=tp, **kw)
 
 
 def greedy(eng: Engine, **params) -> list[dict]:
@@ -70,7 +71,8 @@ def test_logits_within_fp32_tolerance_and_greedy_identical(target, plain):
 @pytest.mark.parametrize("algo", ALGOS)
 def test_speculative_greedy_identical(algo, target, plain, tmp_path):
     kw = {"model_path": str(target), **draft_setup(algo, target, tmp_path)}
-    with Engine(dtype="float32", max_total_tokens=4096, tp_size=2, speculative_algorithm=algo, **TREE, **kw) as eng:
+    with Engine(planner=untimed,
+                dtype="float32", max_total_tokens=4096, tp_size=2, speculative_algorithm=algo, **TREE, **kw) as eng:
         outs = eng.generate(input_ids=prompts(), sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
@@ -148,8 +150,8 @@ def test_gguf_groups_are_cut_by_rank(six_bits, tmp_path, monkeypatch):
     write_tiny_gguf(path, tiny_llama(len(tokenizer), **sizes), tokenizer, types)
     args = dict(input_ids=[5, 6, 7, 8], sampling_params={**GREEDY, "max_new_tokens": 1}, return_logprob=True,
                 top_logprobs_num=5)
-    with Engine(model_path=str(path), max_total_tokens=2048) as one, \
-            Engine(model_path=str(path), max_total_tokens=2048, tp_size=2) as two:
+    with Engine(planner=untimed, model_path=str(path), max_total_tokens=2048) as one, \
+            Engine(planner=untimed, model_path=str(path), max_total_tokens=2048, tp_size=2) as two:
         model = two.debug.target.model
         layer = model.model.layers[1]
         kinds = {type(m).__name__ for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj)}

@@ -22,6 +22,7 @@ from engine.loader import load_config
 from spec_cli.main import app
 from tests import eagle_checkpoints as ckpt
 from tests.dense_draft import DenseDraft
+from tests.planning import untimed
 from tests.tiny import make_model
 from tests.training import options, write_prompts
 
@@ -131,9 +132,10 @@ def test_a_narrower_head_trains_loads_and_serves(target, trained, tmp_path):
     assert load_file(head / "model.safetensors")["midlayer.mlp.gate_proj.weight"].shape[0] == 32
     assert load_config(target).intermediate_size != 32
     greedy = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
-    plain = Engine(model_path=str(target), dtype="float32", max_total_tokens=512).generate(
+    plain = Engine(planner=untimed, model_path=str(target), dtype="float32", max_total_tokens=512).generate(
         input_ids=[[5, 6, 7, 8]], sampling_params=greedy)
-    spec = Engine(model_path=str(target), dtype="float32", max_total_tokens=512, speculative_algorithm="EAGLE3",
+    spec = Engine(planner=untimed,
+                  model_path=str(target), dtype="float32", max_total_tokens=512, speculative_algorithm="EAGLE3",
                   speculative_draft_model_path=str(head)).generate(input_ids=[[5, 6, 7, 8]], sampling_params=greedy)
     assert spec[0]["output_ids"] == plain[0]["output_ids"]
 
@@ -176,8 +178,9 @@ def test_trained_head_is_accepted_far_more_than_an_untrained_one(bigram):
     # Served as an EAGLE3 draft, the output is the target's.
     batch = [[5, 6, 7, 8], [40, 41, 42]]
     greedy = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-    plain = Engine(model_path=str(target), dtype="float32", max_total_tokens=1024).generate(
+    plain = Engine(planner=untimed, model_path=str(target), dtype="float32", max_total_tokens=1024).generate(
         input_ids=batch, sampling_params=greedy)
-    spec = Engine(model_path=str(target), dtype="float32", max_total_tokens=1024, speculative_algorithm="EAGLE3",
+    spec = Engine(planner=untimed,
+                  model_path=str(target), dtype="float32", max_total_tokens=1024, speculative_algorithm="EAGLE3",
                   speculative_draft_model_path=str(root / "head")).generate(input_ids=batch, sampling_params=greedy)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]

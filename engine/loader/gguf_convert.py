@@ -21,7 +21,6 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
