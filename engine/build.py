@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
@@ -111,7 +112,7 @@ def resolve_args(args: ServerArgs, model_config, device: str) -> ServerArgs:
 
 
 def build_engine_parts(args: ServerArgs, planners: Optional[PlannerFactory] = None) -> EngineParts:
-    """The engine's parts; `planners` makes each worker's planner (timed_planner unless given)."""
+    """The engine's parts; `planners` makes each worker's planner (a TimedPlanners unless given)."""
     device = resolve_device(args.device)
     check_backend(args.attention_backend, device, args.enable_deterministic_inference)   # before any file is read
     if device == "cpu":     # every kernel ready before the first request, and said which
@@ -156,38 +157,43 @@ def build_engine_parts(args: ServerArgs, planners: Optional[PlannerFactory] = No
     attach(args, runner, kv, device, max_running, worker.num_draft_tokens if draft is not None else 1,
            worker.capture_hidden)
     scheduler = Scheduler(args, kv, worker, tokenizer, eos, args.context_length, max_running, device,
-                          planners or timed_planner)
+                          planners or TimedPlanners())
     log.info("model %s: %s%s, %.0f MiB of weights%s; KV pool %d tokens (%.0f MiB)", model_dir, dtype,
              f", {quantization} weights" if quantization else "", model_bytes(target) / 2**20,
              f" + {model_bytes(draft) / 2**20:.0f} MiB draft" if draft is not None else "", slots, slots * per_token / 2**20)
     return EngineParts(args, model_dir, config, tokenizer, kv, runner, draft, scheduler, eos)
 
 
-def timed_planner(worker: Worker, args: ServerArgs, kv: KVManager) -> Planner:
-    """The worker's planner, its step cost priced by the worker's forwards timed now (the default)."""
-    return Planner(worker, args, measured_cost(worker, args, kv))
+class TimedPlanners:
+    """The default PlannerFactory: each planner's step cost starts from forwards timed on this machine
+    (`timer`: cost_probe.forward_times), the target's and a catching-up draft model's. Each model runner
+    is timed once: a new speculative configuration (Engine.set_speculative, which spec tune runs for
+    every evaluation) times only a draft model not priced before. Nothing is timed under tensor
+    parallelism: every rank would have to run the same forwards, on pools sized apart."""
 
+    def __init__(self, timer=forward_times):
+        self._timer = timer
+        self._times: WeakKeyDictionary[ModelRunner, dict[int, float]] = WeakKeyDictionary()
 
-def measured_cost(worker: Worker, args: ServerArgs, kv: KVManager, timer=forward_times) -> StepCost:
-    """A step cost model from forwards of the target (and of a draft model that catches up) timed by
-    `timer` (cost_probe.forward_times). Not under tensor parallelism: every rank would have to run the
-    same forwards, on pools sized apart."""
-    cost = StepCost(PRIOR_ROW_COST[kv.table.device.type])
-    if args.tp_size > 1:
-        return cost
-    drafter = worker.drafter
-    target = timer(worker.target, kv)
-    draft = timer(drafter.runner, kv) if drafter is not None and drafter.catches_up else None
-    if draft:
-        # A drafted step runs `steps` draft forwards of about topk rows a request: the search's
-        # depths after the root's, and the feed of what the target accepted.
-        cost.measured(target, draft, drafter.steps, drafter.topk)
-    else:
-        cost.measured(target)
-    if target:
-        log.info("forward times by rows (for draft sizes): %s%s", _millis(target),
-                 f"; draft model {_millis(draft)}" if draft else "")
-    return cost
+    def __call__(self, worker: Worker, args: ServerArgs, kv: KVManager) -> Planner:
+        cost = StepCost(PRIOR_ROW_COST[kv.table.device.type])
+        if args.tp_size == 1:
+            drafter = worker.drafter
+            target = self._timed(worker.target, kv, "target")
+            if drafter is not None and drafter.catches_up:
+                # A drafted step runs `steps` draft forwards of about topk rows a request: the search's
+                # depths after the root's, and the feed of what the target accepted.
+                cost.measured(target, self._timed(drafter.runner, kv, "draft model"), drafter.steps, drafter.topk)
+            else:
+                cost.measured(target)
+        return Planner(worker, args, cost)
+
+    def _timed(self, runner: ModelRunner, kv: KVManager, what: str) -> dict[int, float]:
+        if runner not in self._times:
+            times = self._times[runner] = self._timer(runner, kv)
+            if times:
+                log.info("forward times by rows (for draft sizes), %s: %s", what, _millis(times))
+        return self._times[runner]
 
 
 def _millis(times: dict[int, float]) -> str:

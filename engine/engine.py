@@ -62,7 +62,7 @@ class Engine:
                  **kwargs: Any):
         """`server_args`, or its fields as keywords. `planner` (an engine.speculative.planner.PlannerFactory)
         makes the planner of each speculative configuration; by default one whose step cost starts from
-        forwards timed on this machine (engine.build.timed_planner). Tests give planners of fixed cost."""
+        forwards timed on this machine (engine.build.TimedPlanners). Tests give planners of fixed cost."""
         if server_args is not None and kwargs:
             raise TypeError("pass either server_args or keyword flags, not both")
         from engine.build import build_engine_parts

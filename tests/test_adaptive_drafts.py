@@ -12,10 +12,9 @@ import torch
 
 from engine.core import cost_probe
 from engine import Engine
-from engine.build import measured_cost
+from engine.build import TimedPlanners
 from engine.speculative import standalone
 from engine.speculative.cost import DRAFT_WARMUP, Curve, StepCost
-from engine.speculative.planner import Planner
 from engine.speculative.sizing import DECAY, START_ALPHA, Acceptance, draft_sizes, expected_accepted, worth_exploring
 from tests.drafts import ALGOS, draft_setup
 from tests.planning import Fixed, fitted, planner
@@ -101,13 +100,13 @@ def test_a_catch_up_keeps_a_request_off_until_it_pays():
     assert draft_sizes([0.6, 0.6], 4, cost, extra=[0.0, 0.0005])[1] > 0   # a small one is worth paying
 
 
-def timing(timed: list):
-    """A planner factory timing forwards as the default does, recording each runner it times."""
+def timing(timed: list) -> TimedPlanners:
+    """The default planner factory, recording each runner it times."""
     def timer(runner, kv):
         timed.append(runner)
         return cost_probe.forward_times(runner, kv)
 
-    return lambda worker, args, kv: Planner(worker, args, measured_cost(worker, args, kv, timer))
+    return TimedPlanners(timer)
 
 
 def test_the_forwards_are_timed_on_the_engine_s_own_runners(confident_dir):  # noqa: F811
@@ -131,7 +130,8 @@ def test_the_forwards_are_timed_on_the_engine_s_own_runners(confident_dir):  # n
 
 def test_a_new_draft_is_priced_by_its_own_forwards(confident_dir, target_dir):  # noqa: F811
     """set_speculative to another draft model gets a new planner, whose step cost is timed on the new
-    draft's forwards: nothing learnt of one draft prices another."""
+    draft's forwards: nothing learnt of one draft prices another. A model already timed (the target, a
+    draft reused with another tree) is not timed again: spec tune switches at every evaluation."""
     timed = []
     standalone_on = dict(speculative_algorithm="STANDALONE", speculative_num_steps=3, speculative_eagle_topk=1,
                          speculative_num_draft_tokens=4)
@@ -141,10 +141,13 @@ def test_a_new_draft_is_priced_by_its_own_forwards(confident_dir, target_dir):  
     eng.set_speculative(speculative_draft_model_path=str(target_dir), **standalone_on)
     second = eng.debug
     assert second.drafter is not first.drafter and second.planner is not first.planner
-    assert timed == [first.target, first.drafter.runner, second.target, second.drafter.runner]
+    assert timed == [first.target, first.drafter.runner, second.drafter.runner]
     assert second.planner.cost.catch_up(7) > 0              # the new draft's catch-up is priced
+    eng.set_speculative(speculative_draft_model_path=str(target_dir), **{**standalone_on, "speculative_num_steps": 2,
+                                                                          "speculative_num_draft_tokens": 3})
+    assert eng.debug.drafter is second.drafter and eng.debug.planner is not second.planner
     eng.set_speculative(speculative_algorithm=None)
-    assert eng.debug.planner.drafter is None and timed[-1] is first.target
+    assert eng.debug.planner.drafter is None and len(timed) == 3
 
 
 def test_acceptance_follows_the_verifications():

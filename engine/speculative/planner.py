@@ -13,7 +13,7 @@ what the step did; nothing else crosses. The planner owns the policy's state:
 - Predicted Output chains (prediction.py), as long as pays by the step cost.
 
 One planner per worker: a new speculative configuration (Engine.set_speculative) gets a new planner,
-its forwards timed again, so that nothing learnt of one draft prices another.
+priced by its own draft model's forwards, so that nothing learnt of one draft prices another.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Plan:
     catch_up: int
 
 
-# How an engine makes the planner of each worker it runs (build.timed_planner unless a test gives one).
+# How an engine makes the planner of each worker it runs (build.TimedPlanners unless a test gives one).
 PlannerFactory = Callable[[Worker, ServerArgs, KVManager], "Planner"]
 
 
