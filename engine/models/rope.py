@@ -60,10 +60,14 @@ def rotation_angles(params: dict, head_dim: int, positions: int, max_position_em
     return pos[:, None] * inv_freq, scaling
 
 
-def _base(params: dict, head_dim: int, theta: Optional[float] = None) -> torch.Tensor:
+def _exponents(head_dim: int) -> torch.Tensor:
+    """2i/d for each dimension pair i."""
+    return torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+
+
+def _base(params: dict, head_dim: int) -> torch.Tensor:
     """theta^(-2i/d): the unscaled inverse frequency of each dimension pair."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    return 1.0 / ((theta or params["rope_theta"]) ** exponents)
+    return 1.0 / (params["rope_theta"] ** _exponents(head_dim))
 
 
 def _default(params, head_dim, pos, max_pos):
@@ -130,8 +134,7 @@ def _dynamic(params, head_dim, pos, max_pos):
     factor = params["factor"]
     length = torch.clamp(pos + 1, min=max_pos)
     base = params["rope_theta"] * ((factor * length / max_pos) - (factor - 1)) ** (head_dim / (head_dim - 2))
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    return 1.0 / (base[:, None] ** exponents), 1.0
+    return 1.0 / (base[:, None] ** _exponents(head_dim)), 1.0
 
 
 # Names older configs gave a kind: Phi-3's first 128k releases called LongRoPE "su".

@@ -121,10 +121,10 @@ class Planner:
         # An estimate that keeps a request off would never change (nor would the average new requests
         # start from): try it again now and then; not where drafting well would not pay either.
         every = self.explore_every * max(1, len(reqs) // 4)
-        due = [e is not None and self._own_part(r).undrafted >= every for r, e in zip(reqs, estimates)]
+        owns = [self._own_part(r) for r in reqs]
+        due = [e is not None and own.undrafted >= every for own, e in zip(owns, estimates)]
         sizes = self.sizes(alphas, worth_exploring(alphas, due, self.limit, self.cost, catch_up), catch_up)
-        for r, k in zip(reqs, sizes):
-            own = self._own_part(r)
+        for own, k in zip(owns, sizes):
             own.undrafted = 0 if k else own.undrafted + 1
         return sizes, evidence
 
