@@ -242,6 +242,19 @@ class ServerArgs:
         "JSON outputs without free whitespace between tokens: stops a weak model from looping on newlines, "
         "at the cost of pretty-printed output.", group="Structured output"))
 
+    # --- Chat: templates, reasoning and tool calls ---------------------------------------------------
+    chat_template: Optional[str] = field(default=None, metadata=opt(
+        "Chat template for /v1/chat/completions and /v1/responses: a Jinja file, or the name of a built-in "
+        "template. Default: the model's own.", group="Chat"))
+    reasoning_parser: Optional[str] = field(default=None, metadata=opt(
+        "Split the model's thinking from its answer: message.reasoning_content and delta.reasoning_content "
+        "(SGLang's parser names). A grammar (response_format, tools) then constrains the answer, not the "
+        "thinking.", group="Chat", choices=("deepseek-r1", "deepseek-v3", "qwen3", "qwen3-thinking", "gpt-oss")))
+    tool_call_parser: Optional[str] = field(default=None, metadata=opt(
+        "Format of the model's tool calls (SGLang's parser names). Default: read from the chat template "
+        "(Qwen/Hermes <tool_call> blocks).", group="Chat",
+        choices=("qwen25", "llama3", "mistral", "deepseekv3", "pythonic", "gpt-oss")))
+
     # --- Compilation and CUDA graphs ----------------------------------------------------------------
     enable_torch_compile: bool = field(default=False, metadata=opt(
         "torch.compile the target's decode and verify forwards (inductor; on the CPU with frozen weights, "

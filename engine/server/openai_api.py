@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from engine.server import logprobs as lp_format
-from engine.server import tool_calls
+from engine.server import tool_calls, usage
 from engine.server.engine_loop import Submission, finish_type
 from engine.server.errors import APIError, error_responses
 from engine.server.limits import JSONBodyRoute
@@ -128,15 +128,7 @@ class _Shape:
         self.prompt_tokens = sum(prompt_lens)
 
     def usage(self, outs: Sequence[Optional[dict]]) -> dict:
-        done = sum(o["meta_info"]["completion_tokens"] for o in outs if o)
-        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
-                 "total_tokens": self.prompt_tokens + done}
-        predicted = [o["meta_info"] for o in outs if o and "accepted_prediction_tokens" in o["meta_info"]]
-        if predicted:
-            usage["completion_tokens_details"] = {
-                kind: sum(m[kind] for m in predicted) for kind in ("accepted_prediction_tokens",
-                                                                   "rejected_prediction_tokens")}
-        return usage
+        return usage.of(self.prompt_tokens, outs)
 
     async def token_logprobs(self, out: dict, start: int, end: int, offset: int) -> Optional[dict]:
         """The choice's logprobs for output tokens start..end (`offset`: where token start's text begins)."""
