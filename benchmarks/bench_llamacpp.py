@@ -179,6 +179,9 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
     picks = [rows[(i * 10) % len(rows)]["turns"][0] for i in range(n)]       # one per category
     out = []
     for text in picks:
+        if not getattr(tokenizer, "chat_template", None):      # a base model (Gemma-3-270M): the question as text
+            out.append(tokenizer(text)["input_ids"])
+            continue
         enc = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True)
         out.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))

@@ -140,6 +140,28 @@ def test_a_narrower_head_trains_loads_and_serves(target, trained, tmp_path):
     assert spec[0]["output_ids"] == plain[0]["output_ids"]
 
 
+@pytest.mark.parametrize("arch, extra", [
+    ("gemma3", dict(sliding_window=6)),                  # embedding scale, four norms a layer, local windows
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+])
+def test_a_head_trains_on_other_families(arch, extra, tmp_path):
+    """A target of another family (its hidden states, embedding and head read through spec's own model):
+    a few steps train, `spec convert draft --check` accepts the head, and it serves losslessly."""
+    target = make_model(tmp_path / arch, arch, layers=4, **extra)
+    head = tmp_path / "head"
+    train(options(target, head, write_prompts(tmp_path / "prompts.txt", 24), max_steps=2))
+    result = CliRunner().invoke(app, ["convert", "draft", str(head), "-m", str(target), "--check"])
+    assert result.exit_code == 0, result.output
+    greedy = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
+    plain = Engine(planner=untimed, model_path=str(target), dtype="float32", max_total_tokens=512).generate(
+        input_ids=prompts, sampling_params=greedy)
+    spec = Engine(planner=untimed, model_path=str(target), dtype="float32", max_total_tokens=512,
+                  speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head)).generate(
+        input_ids=prompts, sampling_params=greedy)
+    assert spec[0]["output_ids"] == plain[0]["output_ids"]
+
+
 @pytest.fixture(scope="module")
 def bigram(tmp_path_factory):
     """A highly regular language: a target whose next token depends on the current one only
