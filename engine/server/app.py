@@ -123,7 +123,8 @@ def _served_limits(schemas: dict, serving: Serving) -> None:
     cap_token_ids(schemas["CompletionRequest"]["properties"]["prompt"])
     cap_token_ids(schemas["GenerateRequest"]["properties"]["input_ids"])
     cap_token_ids(schemas["SGLangSampling"]["properties"]["prediction"])
-    if not tool_calls.template_speaks_tools(getattr(serving.tokenizer.hf, "chat_template", None)):
+    template = getattr(serving.tokenizer.hf, "chat_template", None)
+    if tool_calls.tool_format(serving.args.tool_call_parser, template) is None:
         props = schemas["ChatCompletionRequest"]["properties"]
         props["tools"] = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
         props["tool_choice"] = {"anyOf": [{"type": "null"}, {"const": "none"}]}

@@ -1,0 +1,107 @@
+"""What every tool-call format provides: a streaming parser of the model's text, and the xgrammar
+structural tag that tool_choice "required" or a named function constrains the output to.
+
+A format reads text as a series of steps (`ToolFormat.step`), each one of:
+  ("text", str)   content, shown to the client as written;
+  ("call", dict)  one OpenAI tool call, whole;
+  ("mark", str)   markup around calls (an opening marker, a separator): dropped once its region holds a
+                  call, else shown as content, as written.
+The format's `state` says where it is (None: in content, anything else: inside a region of calls), so a
+region's calls go out one by one as each completes.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Optional, Sequence
+
+from engine.engine import hold_back_stop_prefix
+
+Step = tuple[str, Any, int, Any]     # (kind, text or call, where the step ends, the state after it)
+
+
+class CannotConstrain(ValueError):
+    """The format has no structural tag for this tool_choice: the server answers 400 with this message."""
+
+
+class ToolFormat:
+    name: str
+    # Strings that open a call or a region of calls; text that could still become one is held back.
+    openers: Sequence[str] = ()
+    # Whitespace between calls is no message (content shown once a call went out must say something).
+    drop_blank_between_calls = True
+
+    def parser(self):
+        from engine.server.tool_calls.parser import ToolCallParser
+        return ToolCallParser(self)
+
+    def structural_tag(self, tools: Sequence, choice, parallel: bool, compact: bool = False) -> str:
+        """The xgrammar structural tag (JSON text) for tool_choice "required" (one call or more, of any of
+        `tools`; only one when not `parallel`) or a named function (exactly one call of it). Arguments are
+        held to each function's parameter schema; `compact`: at most one whitespace character between
+        their tokens (--constrained-json-disable-any-whitespace). Raises CannotConstrain where the format
+        cannot be expressed as one."""
+        raise CannotConstrain(f"The {self.name!r} tool-call format cannot be constrained to a call here, so "
+                              "tool_choice 'required' or a named function is not served with it; use "
+                              "tool_choice 'auto' and the tools' descriptions instead.")
+
+    # --- parsing -------------------------------------------------------------------------------------
+    def step(self, text: str, pos: int, state, final: bool) -> Optional[Step]:
+        """The next step from `pos`, or None while the text so far cannot tell (never, when `final`)."""
+        if state is not None:
+            return self.inside(text, pos, state, final)
+        start = self.next_opener(text, pos)
+        if start == pos:
+            return self.open(text, pos, final)
+        if start > pos:
+            return "text", text[pos:start], start, None
+        shown = text if final else hold_back_stop_prefix(text, self.openers)
+        return ("text", shown[pos:], len(shown), None) if len(shown) > pos else None
+
+    def next_opener(self, text: str, pos: int) -> int:
+        """Where the next call or region of calls begins, at or after `pos` (-1: none yet)."""
+        found = [i for i in (text.find(o, pos) for o in self.openers) if i >= 0]
+        return min(found, default=-1)
+
+    def open(self, text: str, pos: int, final: bool) -> Optional[Step]:
+        """The step at an opener (text[pos:] begins with one)."""
+        raise NotImplementedError
+
+    def inside(self, text: str, pos: int, state, final: bool) -> Optional[Step]:
+        """The step inside a region of calls (formats whose calls come in regions)."""
+        raise NotImplementedError
+
+
+def tool_call(name: str, arguments) -> dict:
+    """An OpenAI tool call; `arguments` as parsed (an object), sent as JSON text."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def json_call(value, arguments_keys: Sequence[str] = ("arguments",)) -> Optional[dict]:
+    """A JSON object {"name": ..., "arguments": {...}} (or another key of `arguments_keys` for the
+    arguments) as a tool call, or None when it is not one."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = next((value[k] for k in arguments_keys if k in value), {})
+    return tool_call(value["name"], arguments) if isinstance(arguments, dict) else None
+
+
+def tags_format(tools: Sequence, choice, parallel: bool, compact: bool, begin, end: str, separator: str) -> dict:
+    """The structural tag format for calls written as `begin(name)`, the arguments as JSON, `end`, one
+    after another with `separator` between them: any of `tools` (at least one) for "required", exactly
+    one call of the named function otherwise."""
+    def tag(function) -> dict:
+        content = {"type": "json_schema", "json_schema": function.parameters or {"type": "object"}}
+        return {"type": "tag", "begin": begin(function.name),
+                "content": content | ({"max_whitespace_cnt": 1} if compact else {}), "end": end}
+
+    if choice == "required":
+        return {"type": "tags_with_separator", "tags": [tag(t.function) for t in tools], "separator": separator,
+                "at_least_one": True, "stop_after_first": not parallel}
+    return tag(next(t.function for t in tools if t.function.name == choice.function.name))
+
+
+def structural_tag(fmt: dict) -> str:
+    return json.dumps({"type": "structural_tag", "format": fmt})
