@@ -20,9 +20,10 @@ from engine.models.llama import MLP
 
 class Experts(nn.ModuleList):
     """The experts' MLPs; `forward` sums, per token, its chosen experts' outputs by their weights."""
+    expert = MLP        # a family whose experts compute otherwise (GPT-OSS's) brings its own
 
     def __init__(self, config, count: int, intermediate_size: int):
-        super().__init__(MLP(config, intermediate_size) for _ in range(count))
+        super().__init__(self.expert(config, intermediate_size) for _ in range(count))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights and ids [T, top_k]: each token's experts and their weights."""
