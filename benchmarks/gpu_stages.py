@@ -378,6 +378,63 @@ def stage_fp8(ctx: Context, result: dict, save: Callable) -> None:
     close(eng, ctx.device)
 
 
+# Qwen3-30B-A3B's mixture layer: 128 experts, 8 a token, hidden 2048, expert width 768.
+MOE_SHAPES = {"gpu": dict(experts=128, top_k=8, hidden=2048, inter=768, tokens=[1, 8, 64]),
+              "cpu": dict(experts=8, top_k=2, hidden=64, inter=48, tokens=[1, 4])}
+
+
+def stage_moe(ctx: Context, result: dict, save: Callable) -> None:
+    """One mixture layer at Qwen3-30B-A3B's shape, random weights: the Triton grouped GEMMs
+    (kernels/fused_moe.py) against the torch loop over experts, milliseconds and the chosen experts'
+    weight bytes read a second, and their largest difference."""
+    import os
+
+    import torch
+
+    from spec_kernels import fused_moe
+
+    shape = MOE_SHAPES["cpu" if ctx.dry else "gpu"]
+    e, k, h, inter = shape["experts"], shape["top_k"], shape["hidden"], shape["inter"]
+    g = torch.Generator(device=ctx.device).manual_seed(0)
+    w_gate_up = torch.randn(e, 2 * inter, h, generator=g, device=ctx.device, dtype=ctx.dtype) / h ** 0.5
+    w_down = torch.randn(e, h, inter, generator=g, device=ctx.device, dtype=ctx.dtype) / inter ** 0.5
+    kernel = fused_moe.available() and (ctx.device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    result.update(shape={k_: v for k_, v in shape.items() if k_ != "tokens"}, rows=[],
+                  note=None if kernel else "Triton kernel not run: no CUDA and no TRITON_INTERPRET")
+    for tokens in shape["tokens"]:
+        x = torch.randn(tokens, h, generator=g, device=ctx.device, dtype=ctx.dtype)
+        weights, ids = torch.randn(tokens, e, generator=g, device=ctx.device).softmax(-1).topk(k, dim=-1)
+        weights = weights.to(ctx.dtype)
+        chosen = ids.unique().numel() * (w_gate_up[0].numel() + w_down[0].numel()) * w_down.element_size()
+        row = {"tokens": tokens, "experts_read": ids.unique().numel(), "weight_bytes": chosen}
+        runs = {"torch_loop": fused_moe.fused_moe_reference} | ({"triton": fused_moe.fused_moe} if kernel else {})
+        outs = {}
+        for name, fn in runs.items():
+            ms = timed_ms(lambda: fn(x, w_gate_up, w_down, weights, ids), ctx.plan["iters"], ctx.device)
+            outs[name] = fn(x, w_gate_up, w_down, weights, ids).float()
+            row[f"{name}_ms"] = round(ms, 4)
+            row[f"{name}_gb_s"] = round(chosen / ms / 1e6, 1)
+        if kernel:
+            row["max_abs_diff"] = float((outs["triton"] - outs["torch_loop"]).abs().max())
+        result["rows"].append(row)
+        save()
+
+
+def timed_ms(fn: Callable, iters: int, device: str) -> float:
+    """Median milliseconds of fn() over `iters` calls, after one warm-up."""
+    import statistics
+
+    fn()
+    times = []
+    for _ in range(iters):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
 def stage_http(ctx: Context, result: dict, save: Callable) -> None:
     """`spec serve` on a tiny random model with its tokenizer (tests/tiny.py, written here), asked over
     HTTP (urllib): a sampled chat completion, one constrained by a JSON schema, one with logprobs."""
@@ -460,7 +517,7 @@ def stop(server: subprocess.Popen) -> None:
 
 STAGES: dict[str, Callable] = {"hbm": stage_hbm, "plain": stage_plain, "profile": stage_profile,
                                "speculation": stage_speculation, "controlled": stage_controlled,
-                               "fp8": stage_fp8, "http": stage_http}
+                               "fp8": stage_fp8, "moe": stage_moe, "http": stage_http}
 
 
 def run_stage(name: str, out: Path, dry: bool) -> int:
