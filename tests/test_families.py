@@ -24,6 +24,10 @@ FAMILIES = {
                       shared_expert_intermediate_size=48),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2, clip_qkv=0.5),
+    # GPT-OSS: sinks, windowed and full layers alternating, yarn RoPE, experts clamped often at this limit.
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=6, swiglu_limit=1.0, swiglu_alpha=1.3,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
     "granite": dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.3, logits_scaling=3.0),
     # Phi-3.5's long-context RoPE (its positions past the original context: tests/test_rope.py).
     "phi3": dict(original_max_position_embeddings=64,
@@ -49,10 +53,10 @@ def test_greedy_is_transformers(family):
 @pytest.mark.parametrize("algo", ALGOS)
 def test_every_algorithm_is_lossless(family, algo, tmp_path):
     name, model = family
-    if algo == "MTP" and name.startswith("qwen"):
+    if algo == "MTP" and name.startswith(("qwen", "gpt_oss")):
         # tests/eagle_checkpoints.py's nextn layer is Llama's: without Qwen2's q/k/v biases (MiMo's MTP,
-        # tests/test_mtp.py) or Qwen3's q/k norms.
-        pytest.skip("the test's MTP layer has no Qwen attention")
+        # tests/test_mtp.py), Qwen3's q/k norms or GPT-OSS's attention biases (no GPT-OSS has MTP layers).
+        pytest.skip("the test's MTP layer has no Qwen or GPT-OSS attention")
     prompts = random_prompts(4, seed=3, lo=5, hi=30)
     expected = [o["output_ids"] for o in tiny_engine(model).generate(input_ids=prompts, sampling_params=GREEDY)]
     spec = draft_setup(algo, model, tmp_path)

@@ -54,13 +54,14 @@ def make_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden: int 
            "granite": (tf.GraniteConfig, tf.GraniteForCausalLM), "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
            "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM), "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
            "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM), "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
-           "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM), "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM)}
+           "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM), "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
+           "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM)}
     config_cls, model_cls = cls[arch]
     config = config_cls(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                         num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
                         max_position_embeddings=max_pos, tie_word_embeddings=tie,
                         bos_token_id=0, eos_token_id=1, pad_token_id=2, **extra)
-    if arch in ("qwen3", "qwen3_moe", "gemma2", "gemma3"):
+    if arch in ("qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss"):
         config.head_dim = hidden // 4
     return _save_random(path, model_cls, config, seed, dtype, chat_template)
 
@@ -90,6 +91,8 @@ def _save_random(path: Path, model_cls, config, seed: int, dtype, chat_template:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.15 if "embed" in name or "lm_head" in name else 0.08)
+            elif name.endswith(("sinks", "router.bias")):     # GPT-OSS's: large enough to matter
+                p.normal_(0.0, 1.0)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)

@@ -2,7 +2,7 @@
 layers make, applied to the same modules for targets and drafts (EAGLE, EAGLE-3, MTP, STANDALONE).
 
 - q/k/v and gate/up projections: column-parallel, each rank holds a block of the heads (of the MLP's
-  units): a block of the weight's rows, and of the bias.
+  units): a block of the weight's rows, and of the bias; attention sinks (a logit per head) likewise.
 - o_proj and down_proj: row-parallel, the matching block of input columns; their outputs are partial
   sums, all-reduced after the attention and after the MLP (group.all_reduce). A bias is added once:
   rank 0 keeps it, the others hold zeros.
@@ -73,6 +73,8 @@ def local_block(name: str, tensor: torch.Tensor, rank: int, n: int) -> torch.Ten
         if kind == "bias":
             return tensor if rank == 0 else torch.zeros_like(tensor)
         return _block(tensor, 1, rank, n)
+    if kind == "sinks":             # GPT-OSS's sink logit per query head: this rank's heads'
+        return _block(tensor, 0, rank, n)
     if module in VOCAB and kind == "weight":
         rows = local_rows(tensor.shape[0], n)
         block = tensor[rank * rows:(rank + 1) * rows]

@@ -6,6 +6,7 @@ from engine.errors import ModelLoadError
 from engine.loader.fp8_quant import fp8_checkpoint
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.models.gemma import GemmaForCausalLM
+from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtures import MixtureForCausalLM
@@ -14,6 +15,7 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,     # MLA, MoE and a nextn layer, which the target skips
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,         # Gemma 3's text decoder (gemma3_text)
+    "GptOssForCausalLM": GptOssForCausalLM,       # MXFP4 experts dequantized at load
     "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -31,7 +33,7 @@ ARCHITECTURES = {
 # Configs converted from GGUF may name no architecture; their model_type says as much.
 MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
                "qwen3": LlamaForCausalLM, "deepseek_v3": DeepseekV3ForCausalLM, "granite": GraniteForCausalLM,
-               "gemma2": GemmaForCausalLM, "gemma3_text": GemmaForCausalLM,
+               "gemma2": GemmaForCausalLM, "gemma3_text": GemmaForCausalLM, "gpt_oss": GptOssForCausalLM,
                "phi3": LlamaForCausalLM, "mixtral": MixtureForCausalLM, "olmoe": MixtureForCausalLM,
                "qwen2_moe": MixtureForCausalLM, "qwen3_moe": MixtureForCausalLM}
 
@@ -48,4 +50,4 @@ def model_class(config, source: str):
         f"{source}: architecture {', '.join(archs) or config.model_type!r} is not supported. "
         f"Supported: {', '.join(ARCHITECTURES)}. Pass a model of one of these families "
         "(Llama 2/3/3.1, SmolLM2, Mistral, Mixtral, Qwen2/2.5, Qwen2-MoE, Qwen3, Qwen3-MoE, MiMo, OLMoE, "
-        "DeepSeek-V3, Granite 3, Phi-3/3.5/4, Gemma 2, Gemma 3 text).")
+        "DeepSeek-V3, Granite 3, Phi-3/3.5/4, Gemma 2, Gemma 3 text, GPT-OSS).")

@@ -116,12 +116,14 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.window = sliding_window(config, layer)
         self.softcap: float | None = None       # a logit soft-cap: set by families that have one
+        self.sinks: torch.Tensor | None = None  # a sink logit per head [H]: set by families that have them
 
     def forward(self, x, rope, batch: ForwardBatch, backend: AttentionBackend):
         T = x.shape[0]
         qk, v = self.project(x)
         q, k = rotate(qk, rope).split((self.num_heads, self.num_kv_heads), dim=1)
-        out = backend.forward(q, k, v, self.layer, batch, self.scale, window=self.window, softcap=self.softcap)
+        out = backend.forward(q, k, v, self.layer, batch, self.scale, window=self.window, softcap=self.softcap,
+                              sinks=self.sinks)
         return self.o_proj(out.reshape(T, -1))
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,11 +140,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config, intermediate_size: int | None = None):
+    def __init__(self, config, intermediate_size: int | None = None, bias: bool = False):
         super().__init__()
         self.inter = intermediate_size or config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
