@@ -229,6 +229,10 @@ class Engine:
         bad = [t for t in params.logit_bias or {} if int(t) >= vocab]
         if bad:
             raise RequestError(f"logit_bias names token {bad[0]}, outside the vocabulary [0, {vocab}).", "logit_bias")
+        bad = [t for t in params.reasoning_end or () if t >= vocab]
+        if bad:
+            raise RequestError(f"reasoning_end names token {bad[0]}, outside the vocabulary [0, {vocab}).",
+                               "reasoning_end")
         if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) or \
                 not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise RequestError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], got "
@@ -250,7 +254,7 @@ class Engine:
         if grammar is None and params.constraint:
             grammar = self.compile_grammar(params)
         return Request(rid or f"req-{next(self._ids)}", list(prompt_ids), params, seed,
-                       grammar=None if grammar is None else self.grammars.matcher(grammar),
+                       grammar=None if grammar is None else self.grammars.matcher(grammar, params.reasoning_end or ()),
                        return_logprob=return_logprob, top_logprobs_num=top_logprobs_num if return_logprob else 0,
                        prediction=self._prediction(params.prediction), group=group or "")
 

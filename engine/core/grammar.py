@@ -2,13 +2,18 @@
 token bitmasks of a step's sampling rows.
 
 A request with a constraint (SamplingParams.constraint: JSON schema, regex, EBNF or structural tag)
-holds an xgrammar GrammarMatcher whose state is that of its committed tokens: the scheduler advances it
-as it appends tokens, nothing else changes it. A step reads it: each row the step samples from gets the
+holds a RequestGrammar whose state is that of its committed tokens: the scheduler advances it as it
+appends tokens, nothing else changes it. A step reads it: each row the step samples from gets the
 bitmask of the tokens the grammar allows there. A draft tree's node gets the bitmask of the state after
 its path (`traverse_draft_tree` walks the tree from the committed state and restores it), so verifying
 under the masked target distribution accepts a draft token only where the grammar allows it, and the
 output is exactly that of constrained plain decoding. A draft token the grammar refuses gets an
 all-allowed row: it is never accepted (its parent's mask excludes it), so its row is never read.
+
+With SamplingParams.reasoning_end the grammar starts where that token sequence first appears in the
+output (the end of a reasoning model's thinking): the tokens up to it and its own are free, and the
+matcher stays at its start until it is committed. A draft path may complete the sequence: the subtree
+below that node is walked from the grammar's start.
 
 xgrammar is imported on first use: a server that never sees a constraint never loads it.
 """
@@ -100,10 +105,81 @@ class GrammarBackend:
             self.worker.close()
 
     @staticmethod
-    def matcher(compiled):
+    def matcher(compiled, after: Sequence[int] = ()) -> "RequestGrammar":
+        """A request's grammar state, at its start; `after`: its reasoning_end."""
         import xgrammar as xgr
 
-        return xgr.GrammarMatcher(compiled)
+        return RequestGrammar(xgr.GrammarMatcher(compiled), after)
+
+
+class RequestGrammar:
+    """A request's grammar at its committed tokens: an xgrammar matcher and, with `after` (the
+    request's reasoning_end), how much of that sequence ends the output; until the whole sequence has
+    been output every token is allowed and the matcher stays at its start."""
+
+    def __init__(self, matcher, after: Sequence[int] = ()):
+        self.matcher, self.after = matcher, tuple(after)
+        self.matched = 0                        # after's leading tokens that end the output
+        self.started = not self.after
+
+    def fork(self) -> "RequestGrammar":
+        twin = RequestGrammar(self.matcher.fork(), self.after)
+        twin.matched, twin.started = self.matched, self.started
+        return twin
+
+    def accept_token(self, token: int) -> bool:
+        """Advance by one token; False where the grammar refuses it (always True before its start)."""
+        if self.started:
+            return self.matcher.accept_token(token)
+        self.matched = _advance(self.after, self.matched, token)
+        self.started = self.matched == len(self.after)
+        return True
+
+    def is_terminated(self) -> bool:
+        """Whether the grammar has ended: its stop token accepted."""
+        return self.started and self.matcher.is_terminated()
+
+    def fill_row(self, bitmask: torch.Tensor, row: int) -> bool:
+        """bitmask[row] (all allowed on entry): what the grammar allows next; False where it allows
+        everything (before its start), the row left as it was."""
+        if self.started:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+        return self.started
+
+    def fill_tree(self, tokens: list[int], parents: list[int], out: torch.Tensor) -> bool:
+        """out[i] (all allowed on entry): the bitmask after node i's path (node 0 the committed root);
+        False where the grammar allows everything on every path, out left as it was."""
+        if self.started:
+            _fill_tree(self.matcher, tokens, parents, out)
+            return True
+        matched: list[Optional[int]] = [self.matched]           # None: past the sequence's end
+        starts = []
+        for i in range(1, len(tokens)):
+            m = matched[parents[i]]
+            m = None if m is None else _advance(self.after, m, tokens[i])
+            if m == len(self.after):
+                starts.append(i)
+                m = None
+            matched.append(m)
+        for start in starts:                    # each completing node roots a subtree under the grammar
+            nodes, index = [start], {start: 0}
+            for i in range(start + 1, len(tokens)):
+                if parents[i] in index:
+                    index[i] = len(nodes)
+                    nodes.append(i)
+            part = out[nodes]
+            _fill_tree(self.matcher, [tokens[i] for i in nodes], [-1] + [index[parents[i]] for i in nodes[1:]], part)
+            out[nodes] = part
+        return bool(starts)
+
+
+def _advance(seq: tuple[int, ...], matched: int, token: int) -> int:
+    """How many of seq's leading tokens end the output once `token` follows an output that ends with
+    seq[:matched] (matched < len(seq)): the longest prefix of seq ending seq[:matched] + token."""
+    if token not in seq:
+        return 0
+    tail = seq[:matched] + (token,)
+    return next((k for k in range(len(tail), 0, -1) if tail[-k:] == seq[:k]), 0)
 
 
 def check_limits(kind: str, text: str) -> None:
@@ -154,9 +230,9 @@ def _nesting(text: str, opening: str, closing: str) -> int:
 def row_bitmask(reqs: Sequence, rows_per_req: Sequence[int], vocab: int, tokens: Optional[list[list[int]]] = None,
                 parents: Optional[list[list[int]]] = None) -> Optional[tuple[torch.Tensor, list[int]]]:
     """The bitmasks of a step's rows on the host, [R, ceil(vocab / 32)] int32, and the rows that have
-    one (None when no request has a grammar). Request b owns rows_per_req[b] rows in a run: one row
-    (the next token), or one per tree node when `tokens`/`parents` give its tree (node 0 the root,
-    already committed)."""
+    one (None when no row is constrained: no request has a grammar, or none reaches its start). Request
+    b owns rows_per_req[b] rows in a run: one row (the next token), or one per tree node when
+    `tokens`/`parents` give its tree (node 0 the root, already committed)."""
     if not any(r.grammar is not None for r in reqs):
         return None
     import xgrammar as xgr
@@ -165,14 +241,11 @@ def row_bitmask(reqs: Sequence, rows_per_req: Sequence[int], vocab: int, tokens:
     rows: list[int] = []
     start = 0
     for b, (req, n) in enumerate(zip(reqs, rows_per_req)):
-        if req.grammar is not None:
-            if n == 1:
-                req.grammar.fill_next_token_bitmask(bitmask, start)
-            else:
-                _fill_tree(req.grammar, tokens[b][:n], parents[b][:n], bitmask[start:start + n])
+        if req.grammar is not None and (req.grammar.fill_row(bitmask, start) if n == 1 else req.grammar.fill_tree(
+                tokens[b][:n], parents[b][:n], bitmask[start:start + n])):
             rows += range(start, start + n)
         start += n
-    return bitmask, rows
+    return (bitmask, rows) if rows else None
 
 
 def _fill_tree(matcher, tokens: list[int], parents: list[int], out: torch.Tensor) -> None:
@@ -195,10 +268,10 @@ def _fill_tree(matcher, tokens: list[int], parents: list[int], out: torch.Tensor
 class DraftGrammar:
     """Grammar states along a draft tree as a drafter builds it (node 0: the request's committed
     state), so that it proposes only tokens the grammar allows. Works on forks: the request's own
-    matcher is left as it is."""
+    grammar is left as it is."""
 
-    def __init__(self, matcher):
-        self.states = {0: matcher.fork()}
+    def __init__(self, grammar: RequestGrammar):
+        self.states = {0: grammar.fork()}
         self._tried: dict[tuple[int, int], object] = {}
 
     def allows(self, node: int, token: int) -> bool:

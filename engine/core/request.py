@@ -62,7 +62,7 @@ class Request:
     checked_text_len: int = 0                  # text already searched for stop strings
     stop_text_cut: Optional[int] = None        # where a matched stop string starts in `text`
 
-    # Structured output: an xgrammar GrammarMatcher at the state of the committed tokens (engine/core/grammar.py).
+    # Structured output: a RequestGrammar at the state of the committed tokens (engine/core/grammar.py).
     grammar: object = field(default=None, repr=False)
     # Logprobs of the output tokens, when asked: per token (logprob, [(token id, logprob)] best first).
     return_logprob: bool = False

@@ -12,6 +12,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024             # entries: OpenAI's own limit is 300
+MAX_REASONING_END = 32            # tokens: matched against the output's tail at every token, in Python
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ class SamplingParams:
     regex: Optional[str] = None
     ebnf: Optional[str] = None                        # xgrammar's EBNF (GBNF)
     structural_tag: Optional[str] = None              # an xgrammar structural tag, as JSON text
+    # Set by the server from its reasoning parser: the grammar constrains only the output after these
+    # tokens first appear in it (the end of the thinking); None: the whole output.
+    reasoning_end: Optional[tuple[int, ...]] = None
     # Predicted Outputs: text (or token ids) the answer is expected to mostly repeat, verified as a draft.
     prediction: Union[str, list[int], None] = None
 
@@ -96,6 +100,8 @@ class SamplingParams:
         for key in ("stop", "stop_token_ids"):
             if values.get(key) is None:
                 values.pop(key, None)
+        if isinstance(values.get("reasoning_end"), list):      # JSON has no tuples
+            values["reasoning_end"] = tuple(values["reasoning_end"])
         params = cls(**values)
         params.validate()
         return params
@@ -133,6 +139,7 @@ class SamplingParams:
             raise RequestError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids.", "stop_token_ids")
         self._validate_logit_bias()
         self._validate_constraint()
+        self._validate_reasoning_end()
         self._validate_prediction()
 
     def _validate_prediction(self) -> None:
@@ -174,6 +181,18 @@ class SamplingParams:
         if given and self.min_new_tokens:
             raise RequestError(f"min_new_tokens cannot be combined with {given[0]}: the grammar decides the "
                                "length.", "min_new_tokens")
+
+    def _validate_reasoning_end(self) -> None:
+        end = self.reasoning_end
+        if end is None:
+            return
+        if not isinstance(end, (list, tuple)) or not 0 < len(end) <= MAX_REASONING_END or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT_MAX for t in end):
+            raise RequestError(f"reasoning_end must be a list of 1 to {MAX_REASONING_END} token ids (integers >= 0).",
+                               "reasoning_end")
+        if self.constraint is None:
+            raise RequestError(f"reasoning_end says where a grammar starts; pass it with one of "
+                               f"{', '.join(CONSTRAINTS)}.", "reasoning_end")
 
     @property
     def greedy(self) -> bool:
