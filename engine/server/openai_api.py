@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
-from typing import AsyncIterator, Optional, Sequence
+from typing import AsyncIterator, Callable, Optional, Sequence
 
 from fastapi import APIRouter, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from engine.server import logprobs as lp_format
 from engine.server import tool_calls, usage
+from engine.server.choice_output import ChoiceParser, Delta
 from engine.server.engine_loop import Submission, finish_type
 from engine.server.errors import APIError, error_responses
 from engine.server.limits import JSONBodyRoute
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.serving import Serving, engine_abort, error_event
+from engine.server.tool_calls import ToolFormat
 
 router = APIRouter(route_class=JSONBodyRoute)
 # JSON, or server-sent events with "stream": true.
@@ -38,21 +41,32 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
         raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
     if body.max_completion_tokens is not None and body.max_tokens is not None:
         serving.check_max_tokens(body.max_tokens, "max_tokens")    # the one not used is still checked
-    tools = _offered_tools(body, serving)
+    template_kwargs = body.chat_template_kwargs or {}
+    calls = tool_calls.tool_format(serving.args.tool_call_parser, getattr(serving.tokenizer.hf, "chat_template", None))
+    tools = _offered_tools(body, serving, calls)
     compact = serving.args.constrained_json_disable_any_whitespace
-    sampling = body.sampling_params(body.max_completion_tokens or body.max_tokens) | _constraint(body, tools, compact)
-    prompt = await serving.chat_prompt(body.messages, [t.model_dump(exclude_none=True) for t in tools] if tools else None)
+    sampling = body.sampling_params(body.max_completion_tokens or body.max_tokens)
+    sampling |= _constraint(body, tools, calls, compact)
+    reasoning = serving.reasoning
+    if reasoning and reasoning.special_markers:
+        sampling["skip_special_tokens"] = False          # the parser reads the markers
+    offered = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    prompt = await serving.chat_prompt(body.messages, offered, template_kwargs)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     names = {**OPENAI_NAMES, "max_new_tokens": param, "json_schema": "response_format", "structural_tag": "tools"}
     reqs = await serving.make_requests([prompt], sampling, default_max_tokens=serving.context_len, names=names,
                                        http=http, return_logprob=bool(body.logprobs),
                                        top_logprobs_num=body.top_logprobs or 0)
-    shape = _Shape("chatcmpl", "chat.completion", serving, [len(prompt)], bool(body.logprobs), tools=bool(tools))
+    shown = reasoning if body.separate_reasoning else None
+    parser = functools.partial(ChoiceParser, shown, calls if tools else None, template_kwargs, body.stream_reasoning)
+    shape = _Shape("chatcmpl", "chat.completion", serving, [len(prompt)], bool(body.logprobs), parser=parser,
+                   reasoning=shown is not None)
     return await _respond(serving, http, reqs, body.stream, body.include_usage, shape, [""] * len(reqs))
 
 
-def _offered_tools(body: ChatCompletionRequest, serving: Serving) -> Optional[list]:
-    """The tools the prompt offers (None: none), after checking tools and tool_choice."""
+def _offered_tools(body: ChatCompletionRequest, serving: Serving, calls: Optional[ToolFormat]) -> Optional[list]:
+    """The tools the prompt offers (None: none), after checking tools and tool_choice against the
+    format the model writes `calls` in."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
@@ -60,10 +74,10 @@ def _offered_tools(body: ChatCompletionRequest, serving: Serving) -> Optional[li
         return None
     if choice == "none":
         return None
-    if not tool_calls.template_speaks_tools(getattr(serving.tokenizer.hf, "chat_template", None)):
+    if calls is None:
         raise APIError(400, f"The model {serving.model_name!r} has no chat template for tools in the Qwen/Hermes "
-                            "<tool_call> format, the one this server parses; leave tools out.", param="tools",
-                       code="unsupported_parameter")
+                            "<tool_call> format, and no --tool-call-parser names another; leave tools out.",
+                       param="tools", code="unsupported_parameter")
     names = [t.function.name for t in body.tools]
     if len(set(names)) < len(names):
         raise APIError(400, "Tool names must be unique.", param="tools")
@@ -73,14 +87,17 @@ def _offered_tools(body: ChatCompletionRequest, serving: Serving) -> Optional[li
     return body.tools
 
 
-def _constraint(body: ChatCompletionRequest, tools: Optional[list], compact: bool) -> dict:
+def _constraint(body: ChatCompletionRequest, tools: Optional[list], calls: Optional[ToolFormat], compact: bool) -> dict:
     """The grammar that response_format or tool_choice asks for, as SGLang sampling params."""
     fmt, choice = body.response_format, body.tool_choice
     if fmt is None or fmt.type == "text":
         if not tools or choice in (None, "auto"):
             return {}
-        return {"structural_tag": tool_calls.structural_tag(tools, choice, body.parallel_tool_calls is not False,
-                                                            compact)}
+        try:
+            return {"structural_tag": calls.structural_tag(tools, choice, body.parallel_tool_calls is not False,
+                                                           compact)}
+        except tool_calls.CannotConstrain as exc:
+            raise APIError(400, str(exc), param="tool_choice") from None
     if tools:
         raise APIError(400, "response_format cannot be combined with tools here: a JSON answer rules out tool "
                             "calls. Pass tool_choice 'none', or leave one of them out.", param="response_format")
@@ -118,11 +135,13 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
 
 
 class _Shape:
-    """What differs between chat and text completion responses, and the fields they share."""
+    """What differs between chat and text completion responses, and the fields they share. `parser` makes
+    a chat choice's ChoiceParser; `reasoning`: chat messages carry reasoning_content."""
 
     def __init__(self, id_prefix: str, obj: str, serving: Serving, prompt_lens: Sequence[int], logprobs: bool,
-                 tools: bool = False):
-        self.chat, self.tokenizer, self.logprobs, self.tools = obj == "chat.completion", serving.tokenizer, logprobs, tools
+                 parser: Optional[Callable[[], ChoiceParser]] = None, reasoning: bool = False):
+        self.chat, self.tokenizer, self.logprobs = obj == "chat.completion", serving.tokenizer, logprobs
+        self.parser, self.reasoning = parser, reasoning
         self.base = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
                      "model": serving.model_name}
         self.prompt_tokens = sum(prompt_lens)
@@ -143,12 +162,13 @@ class _Shape:
         reason = out["meta_info"]["finish_reason"]
         finish = reason["type"]
         if self.chat:
-            message: dict = {"role": "assistant", "content": text}
-            if self.tools:
-                content, calls = tool_calls.ToolCallParser().feed(text, final=True)
-                message = {"role": "assistant", "content": content if content or not calls else None} | (
-                    {"tool_calls": calls} if calls else {})
-                finish = "tool_calls" if calls and finish == "stop" else finish
+            parsed = self.parser().feed(text, final=True)
+            message = {"role": "assistant", "content": parsed.content if parsed.content or not parsed.calls else None}
+            if self.reasoning:
+                message["reasoning_content"] = parsed.reasoning or None
+            if parsed.calls:
+                message["tool_calls"] = parsed.calls
+                finish = "tool_calls" if finish == "stop" else finish
             body = {"message": message}
         else:
             body = {"text": echo + text}
@@ -156,8 +176,8 @@ class _Shape:
         return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish, "matched_stop": reason.get("matched")}
 
     def chunk(self, index: int, delta: dict, reason: Optional[str], logprobs: Optional[dict] = None) -> dict:
-        """delta: chat's delta fields ({"content": ...}, {"tool_calls": [...]}, {"role": ...}), or for text
-        completions {"text": ...}."""
+        """delta: chat's delta fields ({"content": ...}, {"reasoning_content": ...}, {"tool_calls": [...]},
+        {"role": ...}), or for text completions {"text": ...}."""
         choice = {"index": index, "delta": delta} if self.chat else {"index": index, "text": delta.get("text", "")}
         return {**self.base, "object": self.base["object"] + (".chunk" if self.chat else ""),
                 "choices": [{**choice, "logprobs": logprobs, "finish_reason": reason}]}
@@ -183,7 +203,7 @@ async def _chunks(sub: Submission, shape: _Shape, include_usage: bool, echoes: S
     n = len(sub.rids)
     sent, tokens_sent, calls_sent = [0] * n, [0] * n, [0] * n
     offsets = [len(e) for e in echoes]
-    parsers = [tool_calls.ToolCallParser() if shape.tools else None for _ in range(n)]
+    parsers = [shape.parser() for _ in range(n)] if shape.chat else None
     for i, echo in enumerate(echoes):         # opens each choice before the first token arrives
         if shape.chat:
             yield shape.chunk(i, {"role": "assistant", "content": ""}, None)
@@ -197,22 +217,30 @@ async def _chunks(sub: Submission, shape: _Shape, include_usage: bool, echoes: S
                 yield error_event(err)
                 return
             text, reason = out["text"], finish_type(out)
-            delta, sent[i] = text[sent[i]:], len(text)
-            calls: list = []
-            if parsers[i] is not None:
-                delta, calls = parsers[i].feed(text, final=reason is not None)
-                if parsers[i].calls and reason == "stop":
-                    reason = "tool_calls"
             end = len(out["output_ids"])
             logprobs = await shape.token_logprobs(out, tokens_sent[i], end, offsets[i]) if end > tokens_sent[i] else None
-            if logprobs and not shape.chat:
-                offsets[i] += sum(len(t) for t in logprobs["tokens"])
             tokens_sent[i] = end
-            if delta or calls or reason or logprobs:
-                fields = {"content": delta} if delta or not calls else {}
-                if calls:
-                    fields["tool_calls"] = [{"index": calls_sent[i] + k, **c} for k, c in enumerate(calls)]
-                    calls_sent[i] += len(calls)
-                yield shape.chunk(i, fields if shape.chat else {"text": delta}, reason, logprobs)
+            if shape.chat:
+                parsed = parsers[i].feed(text, final=reason is not None)
+                reason = "tool_calls" if parsers[i].calls and reason == "stop" else reason
+                fields, new = _delta_fields(parsed, calls_sent[i]), parsed.reasoning or parsed.content or parsed.calls
+                calls_sent[i] += len(parsed.calls)
+            else:
+                fields, new, sent[i] = {"text": text[sent[i]:]}, text[sent[i]:], len(text)
+                if logprobs:
+                    offsets[i] += sum(len(t) for t in logprobs["tokens"])
+            if new or reason or logprobs:
+                yield shape.chunk(i, fields, reason, logprobs)
     if include_usage:
         yield {**shape.chunk(0, {}, None), "choices": [], "usage": shape.usage(sub.latest)}
+
+
+def _delta_fields(parsed: Delta, first_call: int) -> dict:
+    """A chat chunk's delta: the new reasoning, content (an empty one where nothing else is new, as in
+    OpenAI's last chunk) and calls, numbered on from `first_call`."""
+    fields = {"reasoning_content": parsed.reasoning} if parsed.reasoning else {}
+    if parsed.content or not (parsed.reasoning or parsed.calls):
+        fields["content"] = parsed.content
+    if parsed.calls:
+        fields["tool_calls"] = [{"index": first_call + k, **c} for k, c in enumerate(parsed.calls)]
+    return fields

@@ -13,12 +13,15 @@ text is checked here for what no tokenizer can take.
 
 from __future__ import annotations
 
+from inspect import signature
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
+from transformers import PreTrainedTokenizerBase
 
 from engine.core.sampling_params import (CONSTRAINTS, INT_MAX, LOGIT_BIAS, MAX_LOGIT_BIAS, MAX_STOP_CHARS,
                                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES, text_problem)
+from engine.server.reasoning import THINKING_SWITCHES
 
 
 def _checked(allow_nul: bool):
@@ -322,6 +325,27 @@ class ChatMessage(APIBody):
     tool_call_id: Optional[Text] = None              # a tool turn's answer to that call
 
 
+# apply_chat_template's own arguments, which the server sets itself (the rest reach the template).
+TEMPLATE_ARGUMENTS = ("messages",) + tuple(name for name in signature(PreTrainedTokenizerBase.apply_chat_template)
+                                           .parameters if name not in ("self", "kwargs"))
+
+
+def _template_kwargs(value: dict) -> dict:
+    taken = [k for k in value if k in TEMPLATE_ARGUMENTS]
+    if taken:
+        raise ValueError(f"{taken[0]!r} is set by the server, not by the request")
+    switch = next((k for k in THINKING_SWITCHES if k in value and not isinstance(value[k], bool)), None)
+    if switch:
+        raise ValueError(f"{switch} must be true or false, as the templates test it")
+    return value
+
+
+# chat_template_kwargs: more variables for the chat template (SGLang's and vLLM's field), the thinking
+# switches of the reasoning parsers' templates among them.
+TemplateKwargs = Annotated[dict[str, Any], AfterValidator(_check_json), AfterValidator(_template_kwargs), Field(
+    json_schema_extra={"propertyNames": {"not": {"enum": list(TEMPLATE_ARGUMENTS)}},
+                       "properties": {k: {"type": "boolean"} for k in THINKING_SWITCHES}})]
+
 _JSON_FORMAT = {"properties": {"type": {"enum": ["json_object", "json_schema"]}}, "required": ["type"]}
 _TOOLS = {"type": "array", "minItems": 1}
 _FORCED = {"anyOf": [{"const": "required"}, {"type": "object"}]}     # tool_choice that compiles a grammar
@@ -348,11 +372,13 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None       # default: true, as OpenAI's
     response_format: Optional[ResponseFormat] = None
-    # SGLang's; sglang-router sends them. Without a reasoning parser (SGLang's --reasoning-parser, which
-    # this server lacks) there is no reasoning to separate or stream apart, so either value is honoured.
+    # SGLang's. With --reasoning-parser: separate_reasoning false leaves the reasoning in the content;
+    # stream_reasoning false sends each stretch of reasoning whole once it closes. Without one there is
+    # no reasoning to separate, and either value is honoured.
     continue_final_message: No = False
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    chat_template_kwargs: Optional[TemplateKwargs] = None
 
 
 class CompletionRequest(_OpenAISampling):

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import uuid
+from pathlib import Path
 from typing import AsyncIterator, Optional, Sequence, Union
 
 from fastapi import Request as HTTPRequest
@@ -25,6 +26,7 @@ from engine.server.engine_loop import SHUTTING_DOWN, EngineLoop, Submission, fin
 from engine.server.errors import APIError, error_body
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import ChatMessage
+from engine.server.reasoning import reasoning_format
 from engine.server.tokenize import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,12 @@ class Serving:
         self.model_name = args.served_model_name or os.path.basename(str(args.model_path).rstrip("/"))
         self.context_len = engine.context_len
         self.tokenizer = Tokenizer(engine.tokenizer, self.context_len)
+        if args.chat_template:          # checked when the flags were (engine/config.py)
+            self.tokenizer.hf.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
+        self.reasoning = reasoning_format(args.reasoning_parser)
+        # Where a grammar starts in the output of a request that thinks (SamplingParams.reasoning_end).
+        self.reasoning_end = tuple(self.tokenizer.hf.encode(self.reasoning.end, add_special_tokens=False)) \
+            if self.reasoning else None
         self.api_key = args.api_key or os.environ.get("SPEC_API_KEY") or None
         self.loop = EngineLoop(engine)
         tree = args.speculative_tree
@@ -57,9 +65,10 @@ class Serving:
             raise APIError(400, f"This request asks for {generations} generations (n x prompts) but the queue holds "
                                 f"{self.args.max_queued_requests} (--max-queued-requests).", param=param)
 
-    async def chat_prompt(self, messages: Sequence[ChatMessage], tools: Optional[list[dict]] = None) -> list[int]:
-        """The model's chat template over the messages (and the tools offered), with the assistant turn
-        opened."""
+    async def chat_prompt(self, messages: Sequence[ChatMessage], tools: Optional[list[dict]] = None,
+                          template_kwargs: Optional[dict] = None) -> list[int]:
+        """The chat template over the messages (and the tools offered, and the request's
+        chat_template_kwargs), with the assistant turn opened."""
         if not getattr(self.tokenizer.hf, "chat_template", None):
             raise APIError(400, f"The model {self.model_name!r} has no chat template; use /v1/completions with "
                                 "a plain prompt.", param="messages")
@@ -74,7 +83,7 @@ class Serving:
             if m.tool_call_id is not None:
                 turn["tool_call_id"] = m.tool_call_id
             turns.append(turn)
-        return await self.tokenizer.encode_chat(turns, param="messages", tools=tools)
+        return await self.tokenizer.encode_chat(turns, param="messages", tools=tools, template_kwargs=template_kwargs)
 
     async def make_requests(self, prompts: Sequence[Sequence[int]], sampling: Union[dict, list[dict]], *,
                             default_max_tokens: int, names: Optional[dict[str, str]] = None,

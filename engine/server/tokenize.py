@@ -31,12 +31,14 @@ class Tokenizer:
     async def encode(self, texts: Sequence[str]) -> list[list[int]]:
         return await self._run(lambda: [self._encode(t, True) for t in texts])
 
-    async def encode_chat(self, turns: list[dict], param: str, tools: Optional[list[dict]] = None) -> list[int]:
-        """The model's chat template over the turns (and the tools offered), with the assistant turn
-        opened, tokenized."""
+    async def encode_chat(self, turns: list[dict], param: str, tools: Optional[list[dict]] = None,
+                          template_kwargs: Optional[dict] = None) -> list[int]:
+        """The chat template over the turns (and the tools offered, and more variables for it), with the
+        assistant turn opened, tokenized."""
         def run() -> list[int]:
             try:
-                text = self.hf.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True)
+                text = self.hf.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True,
+                                                   **(template_kwargs or {}))
             except Exception as exc:       # jinja's TemplateError and the template's own raise_exception
                 raise APIError(400, f"The chat template rejected the messages: {exc}", param=param) from None
             return self._encode(text, False)
