@@ -10,7 +10,6 @@ import openai
 import pytest
 
 from engine import Engine
-from engine.server.tool_calls import ToolCallParser
 from tests.drafts import ALGOS, draft_setup
 from tests.planning import untimed
 from tests.serving import free_port, serve, server_args, sse
@@ -207,27 +206,6 @@ def test_required_tool_choice_calls_a_tool_and_auto_may_not(plain):
         used = [h.post("/v1/chat/completions", json={"messages": m, "max_tokens": 1}) for m in turns]
         assert [r.status_code for r in used] == [200, 200]
         assert used[0].json()["usage"]["prompt_tokens"] != used[1].json()["usage"]["prompt_tokens"]
-
-
-@pytest.mark.parametrize("text,content,calls", [
-    ("Hello", "Hello", []),
-    ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', "", [("f", {"a": 1})]),
-    ('Sure.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": '
-     '{"x": "<tool_call>"}}\n</tool_call>', "Sure.\n", [("f", {}), ("g", {"x": "<tool_call>"})]),
-    ("<tool_call>not json</tool_call> after", "<tool_call>not json</tool_call> after", []),
-    ('a <tool_call>{"name": "f"', 'a <tool_call>{"name": "f"', []),
-    ("a <tool_c", "a <tool_c", []),
-])
-def test_tool_call_parser_whole_and_streamed(text, content, calls):
-    whole = ToolCallParser().feed(text, final=True)
-    assert whole[0] == content and [(c["function"]["name"], json.loads(c["function"]["arguments"]))
-                                    for c in whole[1]] == calls
-    parser, got_content, got_calls = ToolCallParser(), "", []
-    for end in range(1, len(text) + 1):            # one character at a time, the worst split
-        delta, new = parser.feed(text[:end], final=end == len(text))
-        got_content += delta
-        got_calls += new
-    assert got_content == content and [c["function"]["name"] for c in got_calls] == [n for n, _ in calls]
 
 
 def test_sse_has_no_infinities(plain):

@@ -9,10 +9,18 @@ from __future__ import annotations
 
 from typing import Optional
 
+from engine.server.tool_calls.deepseek import DeepSeekV3
 from engine.server.tool_calls.format import CannotConstrain, ToolFormat
+from engine.server.tool_calls.harmony import Harmony
 from engine.server.tool_calls.hermes import Hermes, template_speaks_hermes
+from engine.server.tool_calls.llama3 import Llama3
+from engine.server.tool_calls.mistral import Mistral
+from engine.server.tool_calls.pythonic import Pythonic
 
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(),)}
+# --tool-call-parser's names, SGLang's: "qwen" and "hermes" name the same <tool_call> blocks as "qwen25".
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Llama3(), Mistral(), DeepSeekV3(), Pythonic(),
+                                                      Harmony())}
+FORMATS |= {"qwen": FORMATS["qwen25"], "hermes": FORMATS["qwen25"]}
 
 __all__ = ["CannotConstrain", "FORMATS", "ToolFormat", "tool_format"]
 
@@ -24,11 +32,3 @@ def tool_format(name: Optional[str], chat_template: Optional[str]) -> Optional[T
         return FORMATS[name]
     return FORMATS["qwen25"] if template_speaks_hermes(chat_template) else None
 
-
-# The names the server used before it knew formats by name, until its callers move to tool_format.
-template_speaks_tools = template_speaks_hermes
-structural_tag = FORMATS["qwen25"].structural_tag
-
-
-def ToolCallParser():                   # noqa: N802  (the class it stood for)
-    return FORMATS["qwen25"].parser()

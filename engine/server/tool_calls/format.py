@@ -3,7 +3,7 @@ structural tag that tool_choice "required" or a named function constrains the ou
 
 A format reads text as a series of steps (`ToolFormat.step`), each one of:
   ("text", str)   content, shown to the client as written;
-  ("call", dict)  one OpenAI tool call, whole;
+  ("calls", list) OpenAI tool calls, each whole;
   ("mark", str)   markup around calls (an opening marker, a separator): dropped once its region holds a
                   call, else shown as content, as written.
 The format's `state` says where it is (None: in content, anything else: inside a region of calls), so a
@@ -13,10 +13,14 @@ region's calls go out one by one as each completes.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any, Optional, Sequence
 
 from engine.engine import hold_back_stop_prefix
+
+# A JSON string (or one the text so far leaves open) or a bracket: what json_end counts brackets by.
+_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*(?:"|$)|[\[\]{}]', re.DOTALL)
 
 Step = tuple[str, Any, int, Any]     # (kind, text or call, where the step ends, the state after it)
 
@@ -29,8 +33,6 @@ class ToolFormat:
     name: str
     # Strings that open a call or a region of calls; text that could still become one is held back.
     openers: Sequence[str] = ()
-    # Whitespace between calls is no message (content shown once a call went out must say something).
-    drop_blank_between_calls = True
 
     def parser(self):
         from engine.server.tool_calls.parser import ToolCallParser
@@ -73,6 +75,28 @@ class ToolFormat:
         raise NotImplementedError
 
 
+def json_end(text: str, pos: int) -> int:
+    """Where the JSON object or array opening at text[pos] ends (just past its closing bracket), by its
+    brackets outside strings; -1 while the text so far does not close it."""
+    depth = 0
+    for m in _JSON_TOKENS.finditer(text, pos):
+        if m.group() in "{[":
+            depth += 1
+        elif m.group() in "}]":
+            depth -= 1
+            if depth == 0:
+                return m.end()
+    return -1
+
+
+def parse_json(text: str):
+    """The JSON value of `text`, or None when it is not JSON."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
 def tool_call(name: str, arguments) -> dict:
     """An OpenAI tool call; `arguments` as parsed (an object), sent as JSON text."""
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
@@ -81,7 +105,7 @@ def tool_call(name: str, arguments) -> dict:
 
 def json_call(value, arguments_keys: Sequence[str] = ("arguments",)) -> Optional[dict]:
     """A JSON object {"name": ..., "arguments": {...}} (or another key of `arguments_keys` for the
-    arguments) as a tool call, or None when it is not one."""
+    arguments; none: no arguments) as a tool call, or None when it is not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = next((value[k] for k in arguments_keys if k in value), {})

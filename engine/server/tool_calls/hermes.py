@@ -36,7 +36,7 @@ class Hermes(ToolFormat):
         except ValueError:
             call = None
         end += len(END)
-        return ("call", call, end, None) if call else ("text", text[pos:end], end, None)
+        return ("calls", [call], end, None) if call else ("text", text[pos:end], end, None)
 
     def structural_tag(self, tools: Sequence, choice, parallel: bool, compact: bool = False) -> str:
         return structural_tag(tags_format(tools, choice, parallel, compact,

@@ -17,25 +17,29 @@ class ToolCallParser:
         self.state = None             # the format's: None in content, else inside a region of calls
         self.marks = ""               # the markup of a region that holds no call yet
         self.region_calls = 0
+        self.blank = ""               # whitespace since the last call
         self.calls = 0
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         content, calls = [], []
 
         def say(piece: str) -> None:
-            if piece.strip() or not (self.calls and self.fmt.drop_blank_between_calls):
-                content.append(piece)
+            if self.calls and not piece.strip():
+                self.blank += piece             # whitespace after a call waits for text to go with
+            else:
+                content.append(self.blank + piece)
+                self.blank = ""
 
         while self.pos < len(text) or self.state is not None:
             step = self.fmt.step(text, self.pos, self.state, final)
             if step is None:
                 break
             kind, value, self.pos, self.state = step
-            if kind == "call":
-                calls.append(value)
-                self.calls += 1
-                self.region_calls += 1
-                self.marks = ""
+            if kind == "calls":
+                calls += value
+                self.calls += len(value)
+                self.region_calls += len(value)
+                self.marks = self.blank = ""     # the whitespace between calls is no message
             elif kind == "mark":
                 if not self.region_calls:
                     self.marks += value
