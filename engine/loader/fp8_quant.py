@@ -105,9 +105,12 @@ def fp8_checkpoint(quantization_config, source: str) -> Optional[Fp8Checkpoint]:
         return None
     q = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
     method = q.get("quant_method", "?")
+    if method == "mxfp4":
+        return None         # GPT-OSS's experts: dequantized as they are read (mxfp4.py)
     if method != "fp8":
-        raise ModelLoadError(f"{source} holds {method}-quantized weights; spec reads unquantized (bf16, fp16, "
-                             "fp32) and FP8 (quant_method 'fp8') checkpoints. Pass the model's unquantized or FP8 release.")
+        raise ModelLoadError(f"{source} holds {method}-quantized weights; spec reads unquantized (bf16, fp16, fp32), "
+                             "FP8 (quant_method 'fp8') and MXFP4 (quant_method 'mxfp4', GPT-OSS's experts, dequantized "
+                             "at load) checkpoints. Pass the model's unquantized or FP8 release.")
     if q.get("fmt", "e4m3") != "e4m3":
         raise ModelLoadError(f"{source}: the FP8 format is {q['fmt']}; spec reads e4m3 weights (fmt 'e4m3').")
     scheme = q.get("activation_scheme", "dynamic")
@@ -121,11 +124,16 @@ def fp8_checkpoint(quantization_config, source: str) -> Optional[Fp8Checkpoint]:
 
 def checkpoint_of(model_dir: Path) -> Optional[Fp8Checkpoint]:
     """The FP8 layout of a model directory's config.json, if it has one."""
+    return fp8_checkpoint(quantization_config(model_dir), str(model_dir))
+
+
+def quantization_config(model_dir: Path) -> Optional[dict]:
+    """The quantization_config of a model directory's config.json, if it has one."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None         # no config.json (a GGUF's converted directory has one; loading reports it)
-    return fp8_checkpoint(config.get("quantization_config") if isinstance(config, dict) else None, str(model_dir))
+    return config.get("quantization_config") if isinstance(config, dict) else None
 
 
 def weight_name(name: str) -> str:

@@ -50,14 +50,20 @@ def iter_weights(model_dir: Path, select: Optional[Callable[[str], bool]] = None
     """Yield (name, tensor) for every tensor of the checkpoint (or those whose name `select` accepts),
     named and typed as stored; a converted GGUF's quantized tensors (gguf_quant.gguf_groups) come
     dequantized to float32, as GGUF computes them, and so do an FP8 checkpoint's e4m3 weights (times their
-    scales, which are not yielded; fp8_quant.paired), or with `keep_fp8` as fp8_quant.Fp8Weight.
+    scales, which are not yielded; fp8_quant.paired), or with `keep_fp8` as fp8_quant.Fp8Weight; an MXFP4
+    checkpoint's blocks and scales come as the bfloat16 tensor they store (mxfp4.dequantized).
 
     One tensor at a time (safetensors are memory-mapped), so the caller can cast and place each
     without holding a second copy of the model; tensors not selected are not read.
     """
-    from engine.loader import fp8_quant
+    from engine.loader import fp8_quant, mxfp4
 
-    checkpoint = fp8_quant.checkpoint_of(model_dir)
+    quantization = fp8_quant.quantization_config(model_dir)
+    if mxfp4.is_mxfp4(quantization):
+        chosen = select and (lambda name: select(mxfp4.weight_name(name)))
+        yield from mxfp4.dequantized(_iter_stored(model_dir, chosen))
+        return
+    checkpoint = fp8_quant.fp8_checkpoint(quantization, str(model_dir))
     if checkpoint is None:
         yield from _iter_stored(model_dir, select)
         return

@@ -1,0 +1,82 @@
+"""MXFP4 checkpoints (quant_method "mxfp4": GPT-OSS's releases store their experts so): the weights are
+dequantized as they are read, to bfloat16, which holds every MXFP4 value exactly.
+
+MXFP4 (OCP microscaling) keeps 32 consecutive weights of a row as 4-bit e2m1 values sharing a power of
+two. A checkpoint stores tensor `x` [..., rows, columns] as
+- `x_blocks` [..., rows, columns / 32, 16] uint8: two values a byte, the low nibble first;
+- `x_scales` [..., rows, columns / 32] uint8: e8m0 exponents, the group's factor 2^(s - 127).
+GPT-OSS stores its experts' weights [experts, out, in] so, where the unquantized checkpoints hold them
+[experts, in, out] (transformers' GptOssExperts): they are yielded in that layout, under that name.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+from engine.errors import ModelLoadError
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_PARTS = ("_blocks", "_scales")
+_ROWS = 4096        # rows dequantized at a time: their float32 temporaries stay small
+
+
+def is_mxfp4(quantization_config) -> bool:
+    if not quantization_config:
+        return False
+    q = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
+    return q.get("quant_method") == "mxfp4"
+
+
+def weight_name(name: str) -> str:
+    """The tensor a block or scale tensor belongs to (`x_blocks` -> `x`); other names as they are."""
+    for part in _PARTS:
+        if name.endswith(part):
+            return name[:-len(part)]
+    return name
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """[..., rows, groups, 16] blocks and [..., rows, groups] scales -> [..., rows, groups * 32] values."""
+    *lead, groups, width = blocks.shape
+    values = torch.tensor(E2M1, dtype=torch.float32)
+    flat_blocks, flat_scales = blocks.reshape(-1, groups, width), scales.reshape(-1, groups)
+    out = torch.empty(flat_blocks.shape[0], groups, 2 * width, dtype=dtype)
+    for r in range(0, len(out), _ROWS):
+        b = flat_blocks[r:r + _ROWS].long()
+        pairs = torch.stack([values[b & 0xF], values[b >> 4]], dim=-1).flatten(-2)
+        factor = torch.exp2(flat_scales[r:r + _ROWS].float() - 127)[..., None]
+        out[r:r + _ROWS] = pairs * factor
+    return out.reshape(*lead, groups * 2 * width)
+
+
+def dequantized(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's stream with each blocks/scales pair (in any order, in any files) made the float
+    tensor they store, [..., columns, rows] as the unquantized checkpoints hold it."""
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        base = weight_name(name)
+        if base == name:
+            yield name, tensor
+            continue
+        parts = waiting.setdefault(base, {})
+        parts[name[len(base):]] = tensor
+        del tensor
+        if len(parts) == 2:
+            del waiting[base]
+            yield base, _checked(base, parts["_blocks"], parts["_scales"])
+    if waiting:
+        base, parts = next(iter(waiting.items()))
+        missing = "scales" if "_blocks" in parts else "blocks"
+        raise ModelLoadError(f"{base}: MXFP4 {missing} missing ({len(waiting)} tensors lack a part); the checkpoint "
+                             "is incomplete.")
+
+
+def _checked(name: str, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[-1:] != (16,) \
+            or blocks.shape[:-1] != scales.shape:
+        raise ModelLoadError(f"{name}: MXFP4 blocks {list(blocks.shape)} ({blocks.dtype}) and scales "
+                             f"{list(scales.shape)} ({scales.dtype}) are not uint8 [..., groups, 16] and "
+                             "[..., groups]; the checkpoint is damaged or not MXFP4.")
+    return dequantize(blocks, scales).transpose(-1, -2)
