@@ -1,0 +1,262 @@
+"""OpenAI's Responses API, POST /v1/responses: the conversation goes through the chat template and is
+generated as a chat completion is; the answer is a response object whose output items (reasoning, a
+message, function calls) are built as the text grows, and streamed as OpenAI's numbered events."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+import uuid
+from typing import AsyncIterator, Optional
+
+from fastapi import APIRouter, Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response
+
+from engine.core.sampling_params import SamplingParams
+from engine.server import tool_calls
+from engine.server.engine_loop import Submission, finish_type
+from engine.server.errors import APIError, error_responses
+from engine.server.limits import JSONBodyRoute
+from engine.server.openai_api import ANY_OBJECT, STREAMED
+from engine.server.protocol import Tool
+from engine.server.responses_protocol import FunctionChoice, ResponsesRequest
+from engine.server.serving import Serving, engine_abort
+from engine.server.tool_calls import CannotConstrain, ToolFormat
+
+router = APIRouter(route_class=JSONBodyRoute)
+
+# The Responses API's names for SGLang's sampling parameters, for error messages.
+NAMES = {"max_new_tokens": "max_output_tokens", "json_schema": "text.format", "structural_tag": "tools"}
+
+
+@router.post("/v1/responses", responses=STREAMED | error_responses(400, 503))
+async def create_response(body: ResponsesRequest, http: HTTPRequest):
+    """A model response to `input` (text, or a conversation of message and function-call items), whole
+    or, with `"stream": true`, as server-sent events. Nothing is stored."""
+    serving: Serving = http.app.state.serving
+    calls = _tool_format(body, serving)
+    tools = body.chat_tools() if calls else None
+    sampling = body.sampling_params() | _constraint(body, tools, calls,
+                                                    serving.args.constrained_json_disable_any_whitespace)
+    offered = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    prompt = await serving.chat_prompt(body.messages(), offered)
+    reqs = await serving.make_requests([prompt], sampling, default_max_tokens=serving.context_len, names=NAMES,
+                                       http=http)
+    output, parser = _Output(body, serving, len(prompt)), _Split(calls)
+    sub = serving.submit(reqs)
+    if body.stream:
+        return serving.stream(sub, _events(sub, output, parser))
+    outs = await serving.wait(sub, http)
+    if outs is None:
+        return Response(status_code=499)      # the client is gone; nobody reads this
+    err = engine_abort(outs[0])
+    if err is not None:
+        raise err
+    output.add(*parser.feed(outs[0]["text"], final=True))
+    *_, done = output.finish(outs[0])
+    return JSONResponse(done["response"])
+
+
+def _tool_format(body: ResponsesRequest, serving: Serving) -> Optional[ToolFormat]:
+    """The format of the model's tool calls when the prompt offers tools (None: it offers none), after
+    checking tools and tool_choice."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools to choose from.", param="tool_choice", code="invalid_value")
+        return None
+    if choice == "none":
+        return None
+    calls = tool_calls.tool_format(serving.args.tool_call_parser, getattr(serving.tokenizer.hf, "chat_template", None))
+    if calls is None:
+        raise APIError(400, f"The model {serving.model_name!r} has no chat template for tools in a format this "
+                            "server parses (see --tool-call-parser); leave tools out.", param="tools",
+                       code="unsupported_parameter")
+    names = [t.name for t in body.tools]
+    if len(set(names)) < len(names):
+        raise APIError(400, "Tool names must be unique.", param="tools", code="invalid_value")
+    if isinstance(choice, FunctionChoice) and choice.name not in names:
+        raise APIError(400, f"tool_choice names {choice.name!r}, which is not among the tools.", param="tool_choice",
+                       code="invalid_value")
+    return calls
+
+
+def _constraint(body: ResponsesRequest, tools: Optional[list[Tool]], calls: Optional[ToolFormat],
+                compact: bool) -> dict:
+    """The grammar that text.format or tool_choice asks for, as SGLang sampling params (`tools`: those the
+    prompt offers, None: none; `calls`: the format the model writes calls in)."""
+    text_kind = body.text.format.type if body.text and body.text.format else "text"
+    if text_kind == "text":
+        if tools is None or body.tool_choice in (None, "auto"):
+            return {}
+        parallel = body.parallel_tool_calls is not False
+        try:
+            return {"structural_tag": calls.structural_tag(tools, body.chat_tool_choice(), parallel, compact)}
+        except CannotConstrain as exc:
+            raise APIError(400, str(exc), param="tool_choice", code="unsupported_parameter") from None
+    if tools is not None:
+        raise APIError(400, "A JSON text.format cannot be combined with tools here: a JSON answer rules out tool "
+                            "calls. Pass tool_choice 'none', or leave one of them out.", param="text.format",
+                       code="unsupported_parameter")
+    if text_kind == "json_object":
+        return {"json_schema": ANY_OBJECT}
+    return {"json_schema": json.dumps(body.text.format.schema_)}
+
+
+class _Split:
+    """Growing output text as deltas of (reasoning, content, function calls): the tool-call format's
+    parser where the prompt offers tools, else all content."""
+
+    def __init__(self, calls: Optional[ToolFormat]):
+        self.tools = calls.parser() if calls else None
+        self.sent = 0
+
+    def feed(self, text: str, final: bool) -> tuple[str, str, list[dict]]:
+        if self.tools is not None:
+            return "", *self.tools.feed(text, final)
+        content, self.sent = text[self.sent:], len(text)
+        return "", content, []
+
+
+class _Output:
+    """A response's output items, built from the parsed text as it grows, and each change told as the
+    stream events OpenAI sends for it, numbered in order. One kind of item is written at a time: new
+    text of another kind (reasoning, message) or a new call closes the item before it."""
+
+    def __init__(self, body: ResponsesRequest, serving: Serving, prompt_tokens: int):
+        self.prompt_tokens = prompt_tokens
+        self.items: list[dict] = []
+        self.open: Optional[dict] = None
+        self.seq = 0
+        self.base = {
+            "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
+            "model": serving.model_name, "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "temperature": SamplingParams.temperature if body.temperature is None else body.temperature,
+            "top_p": SamplingParams.top_p if body.top_p is None else body.top_p,
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
+            "tool_choice": _dumped(body.tool_choice) or "auto",
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "text": {"format": _dumped(body.text and body.text.format) or {"type": "text"}},
+            "reasoning": {"effort": None, "summary": None}, "truncation": "disabled", "store": False,
+            "background": False, "previous_response_id": None, "user": body.user, "metadata": body.metadata or {}}
+
+    def event(self, kind: str, **fields) -> dict:
+        event = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return event
+
+    def response(self, status: str, **fields) -> dict:
+        return {**self.base, "status": status, "error": None, "incomplete_details": None, "output": self.items,
+                "usage": None, **fields}
+
+    def start(self) -> list[dict]:
+        begun = self.response("in_progress")
+        return [self.event("response.created", response=begun), self.event("response.in_progress", response=begun)]
+
+    def add(self, reasoning: str, content: str, calls: list[dict]) -> list[dict]:
+        events = self._write("reasoning", reasoning) if reasoning else []
+        events += self._write("message", content) if content else []
+        for call in calls:
+            events += self._call(call)
+        return events
+
+    def finish(self, out: dict) -> list[dict]:
+        """The last events, ending with response.completed, or response.incomplete when the answer ran
+        out of tokens (max_output_tokens, or the context)."""
+        cut = finish_type(out) == "length"
+        status = "incomplete" if cut else "completed"
+        events = [] if self.items or self.open else self._open("message")     # an empty answer is an empty message
+        events += self._close(status)
+        meta = out["meta_info"]
+        usage = {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": meta["cached_tokens"]},
+                 "output_tokens": meta["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": self.prompt_tokens + meta["completion_tokens"]}
+        done = self.response(status, usage=usage, incomplete_details={"reason": "max_output_tokens"} if cut else None,
+                             **({} if cut else {"completed_at": int(time.time())}))
+        return events + [self.event(f"response.{status}", response=done)]
+
+    def failed(self, err: APIError) -> dict:
+        return self.event("response.failed", response=self.response("failed", error={
+            "code": err.code, "message": err.message}))
+
+    # --- items ---------------------------------------------------------------------------------------
+    def _write(self, kind: str, text: str) -> list[dict]:
+        events = [] if self.open and self.open["type"] == kind else self._close("completed") + self._open(kind)
+        item, where = self.open, self._where()
+        item["content"][0]["text"] += text
+        if kind == "message":
+            return events + [self.event("response.output_text.delta", **where, delta=text, logprobs=[])]
+        return events + [self.event("response.reasoning_text.delta", **where, delta=text)]
+
+    def _call(self, call: dict) -> list[dict]:
+        """A tool call, whole or (a delta without an id) more of the open call's arguments."""
+        function = call.get("function", {})
+        events = []
+        if call.get("id"):
+            events += self._close("completed")
+            self.open = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
+                         "call_id": call["id"], "name": function["name"], "arguments": ""}
+            events.append(self.event("response.output_item.added", output_index=len(self.items),
+                                     item=copy.deepcopy(self.open)))
+        if function.get("arguments"):
+            self.open["arguments"] += function["arguments"]
+            events.append(self.event("response.function_call_arguments.delta", item_id=self.open["id"],
+                                     output_index=len(self.items), delta=function["arguments"]))
+        return events
+
+    def _open(self, kind: str) -> list[dict]:
+        if kind == "message":
+            self.open = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress",
+                         "role": "assistant", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        else:
+            self.open = {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "status": "in_progress", "summary": [],
+                         "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        added = self.event("response.output_item.added", output_index=len(self.items), item=copy.deepcopy(self.open))
+        self.open["content"].append(part)
+        return [added, self.event("response.content_part.added", **self._where(), part=dict(part))]
+
+    def _close(self, status: str) -> list[dict]:
+        item = self.open
+        if item is None:
+            return []
+        events = []
+        if item["type"] == "function_call":
+            events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
+                                     output_index=len(self.items), arguments=item["arguments"]))
+        else:
+            part, where = item["content"][0], self._where()
+            if item["type"] == "message":
+                events.append(self.event("response.output_text.done", **where, text=part["text"], logprobs=[]))
+            else:
+                events.append(self.event("response.reasoning_text.done", **where, text=part["text"]))
+            events.append(self.event("response.content_part.done", **where, part=dict(part)))
+        item["status"] = status
+        events.append(self.event("response.output_item.done", output_index=len(self.items), item=copy.deepcopy(item)))
+        self.items.append(item)
+        self.open = None
+        return events
+
+    def _where(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": len(self.items), "content_index": 0}
+
+
+def _dumped(value) -> Optional[dict]:
+    return value.model_dump(by_alias=True, exclude_none=True) if hasattr(value, "model_dump") else value
+
+
+async def _events(sub: Submission, output: _Output, parser: _Split) -> AsyncIterator[dict]:
+    for event in output.start():
+        yield event
+    async for _ in sub.updates():
+        out = sub.latest[0]
+        err = engine_abort(out)
+        if err is not None:
+            yield output.failed(err)
+            return
+        for event in output.add(*parser.feed(out["text"], final=finish_type(out) is not None)):
+            yield event
+    for event in output.finish(sub.latest[0]):
+        yield event
