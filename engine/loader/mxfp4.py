@@ -18,6 +18,8 @@ import torch
 from engine.errors import ModelLoadError
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+# Each byte's two values, low nibble first: one lookup a byte.
+_PAIRS = torch.tensor([[E2M1[byte & 0xF], E2M1[byte >> 4]] for byte in range(256)])
 _PARTS = ("_blocks", "_scales")
 _ROWS = 4096        # rows dequantized at a time: their float32 temporaries stay small
 
@@ -40,14 +42,11 @@ def weight_name(name: str) -> str:
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """[..., rows, groups, 16] blocks and [..., rows, groups] scales -> [..., rows, groups * 32] values."""
     *lead, groups, width = blocks.shape
-    values = torch.tensor(E2M1, dtype=torch.float32)
     flat_blocks, flat_scales = blocks.reshape(-1, groups, width), scales.reshape(-1, groups)
     out = torch.empty(flat_blocks.shape[0], groups, 2 * width, dtype=dtype)
     for r in range(0, len(out), _ROWS):
-        b = flat_blocks[r:r + _ROWS].long()
-        pairs = torch.stack([values[b & 0xF], values[b >> 4]], dim=-1).flatten(-2)
-        factor = torch.exp2(flat_scales[r:r + _ROWS].float() - 127)[..., None]
-        out[r:r + _ROWS] = pairs * factor
+        values = _PAIRS[flat_blocks[r:r + _ROWS].int()].flatten(-2)
+        out[r:r + _ROWS] = values.mul_(torch.exp2(flat_scales[r:r + _ROWS].float() - 127)[..., None])
     return out.reshape(*lead, groups * 2 * width)
 
 
