@@ -18,11 +18,12 @@ import uuid
 from typing import Any, Optional, Sequence
 
 from engine.engine import hold_back_stop_prefix
+from engine.server.tool_calls.parser import ToolCallParser
 
 # A JSON string (or one the text so far leaves open) or a bracket: what json_end counts brackets by.
 _JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*(?:"|$)|[\[\]{}]', re.DOTALL)
 
-Step = tuple[str, Any, int, Any]     # (kind, text or call, where the step ends, the state after it)
+Step = tuple[str, Any, int, Any]     # (kind, text or calls, where the step ends, the state after it)
 
 
 class CannotConstrain(ValueError):
@@ -34,8 +35,8 @@ class ToolFormat:
     # Strings that open a call or a region of calls; text that could still become one is held back.
     openers: Sequence[str] = ()
 
-    def parser(self):
-        from engine.server.tool_calls.parser import ToolCallParser
+    def parser(self) -> ToolCallParser:
+        """A parser for one choice's output."""
         return ToolCallParser(self)
 
     def structural_tag(self, tools: Sequence, choice, parallel: bool, compact: bool = False) -> str:
@@ -53,18 +54,13 @@ class ToolFormat:
         """The next step from `pos`, or None while the text so far cannot tell (never, when `final`)."""
         if state is not None:
             return self.inside(text, pos, state, final)
-        start = self.next_opener(text, pos)
+        start = min((i for i in (text.find(o, pos) for o in self.openers) if i >= 0), default=-1)
         if start == pos:
             return self.open(text, pos, final)
         if start > pos:
             return "text", text[pos:start], start, None
         shown = text if final else hold_back_stop_prefix(text, self.openers)
         return ("text", shown[pos:], len(shown), None) if len(shown) > pos else None
-
-    def next_opener(self, text: str, pos: int) -> int:
-        """Where the next call or region of calls begins, at or after `pos` (-1: none yet)."""
-        found = [i for i in (text.find(o, pos) for o in self.openers) if i >= 0]
-        return min(found, default=-1)
 
     def open(self, text: str, pos: int, final: bool) -> Optional[Step]:
         """The step at an opener (text[pos:] begins with one)."""

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from engine.server.tool_calls.format import ToolFormat
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.server.tool_calls.format import ToolFormat
 
 
 class ToolCallParser:
