@@ -308,7 +308,11 @@ class ServerArgs:
         "Most choices (n) one request may ask for; more are refused with 400. Every choice is a sequence "
         "of its own in every step.", group="Server"))
     max_request_body_mb: int = field(default=16, metadata=opt(
-        "Largest request body in MiB; larger ones are refused with 413.", group="Server"))
+        "Largest request body in MiB; larger ones are refused with 413 before they are read in full. One "
+        "prompt holds at most the context's length in tokens (as JSON token ids, up to 8 bytes each: 1 MiB for "
+        "128k tokens); more is a batch of prompts, or text. A body over 64 KiB is parsed and validated in a "
+        "child process, so that /health and other requests are answered meanwhile; a token-id prompt past the "
+        "context is refused there.", group="Server"))
     log_level: str = field(default="info", metadata=opt(
         "Log verbosity.", group="Server", choices=("debug", "info", "warning", "error")))
 

@@ -19,6 +19,7 @@ from engine.engine import Engine
 from engine.core.sampling_params import SamplingParams
 from engine.server import logprobs as lp_format
 from engine.server import openai_api, tool_calls
+from engine.server.bodies import BodyParser
 from engine.server.errors import APIError, error_response, error_responses, install_error_handlers
 from engine.server.limits import BodyLimit, JSONBodyRoute
 from engine.server.protocol import GenerateRequest
@@ -35,6 +36,7 @@ PATH_FLAGS = ("tokenizer_path", "speculative_draft_model_path", "speculative_tok
 
 def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     serving = Serving(engine, args)
+    parser = BodyParser(serving.context_len)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -42,10 +44,12 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
         yield
         await asyncio.to_thread(serving.loop.stop, ENGINE_STOP_S)
         serving.tokenizer.close()
+        parser.close()
 
     app = FastAPI(title="spec", summary="OpenAI-compatible and SGLang-compatible LLM server with speculative decoding",
                   lifespan=lifespan)
     app.state.serving = serving
+    app.state.bodies = parser          # large bodies' parser (JSONBodyRoute)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_mb=args.max_request_body_mb)
     if serving.api_key:     # added last, so it runs first: no body is read for a client without the key

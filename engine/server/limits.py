@@ -1,12 +1,15 @@
 """Limits that keep one client from holding the server: how large a request body may be, how deeply
-nested, and how long a client may take to send a request."""
+nested, how long a client may take to send a request, and large bodies parsed off the event loop."""
 
 from __future__ import annotations
 
 import h11
+from fastapi import HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from engine.server import bodies
 from engine.server.errors import error_response
 
 # A request's head and body must arrive within this many seconds of the connection opening (or of
@@ -79,22 +82,51 @@ class ReadDeadlineProtocol(H11Protocol):
 
 
 class JSONBodyRoute(APIRoute):
-    """A route that parses its JSON body before FastAPI does (Starlette keeps the parse, so FastAPI
-    reuses it), so that a body nested deeper than Python's JSON parser recurses is a 400: FastAPI
-    catches only malformed JSON, and the RecursionError would be a 500."""
+    """A route that parses and validates its JSON body before FastAPI does; FastAPI then takes the
+    result as it is (Starlette keeps a parse, and an instance of the model passes FastAPI's validation
+    unchanged). A body over bodies.SMALL_BYTES goes to a child process (engine/server/bodies.py), so the
+    event loop keeps serving meanwhile. A smaller one is parsed here, so that one nested deeper than
+    Python's JSON parser recurses is a 400: FastAPI catches only malformed JSON, and the RecursionError
+    would be a 500."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
+        model = self.body_field.field_info.annotation if self.body_field else None
 
-        async def route(request):
-            if "json" in request.headers.get("content-type", "") and await request.body():
+        async def route(request: Request):
+            if model is None or "json" not in request.headers.get("content-type", ""):
+                return await handler(request)
+            body = await request.body()
+            if len(body) > bodies.SMALL_BYTES:
+                outcome = await request.app.state.bodies.parse(body, model)
+                if isinstance(outcome, bodies.Invalid):
+                    raise RequestValidationError(outcome.errors)
+                if isinstance(outcome, bodies.Refused):
+                    return error_response(400, outcome.message, code=outcome.code)
+                if isinstance(outcome, bodies.Unreadable):    # as FastAPI says it, for errors.py to phrase
+                    raise HTTPException(400, "There was an error parsing the body") from ValueError(outcome.reason)
+                return await handler(ParsedRequest(request, body, outcome.model))
+            if body:
                 try:
                     await request.json()
                 except RecursionError:
-                    return error_response(400, "The request body nests objects and arrays too deeply to parse; "
-                                               "flatten it.", code="invalid_json")
+                    return error_response(400, bodies.TOO_DEEP, code="invalid_json")
                 except ValueError:
                     pass                # malformed JSON: FastAPI parses it again and says where
             return await handler(request)
 
         return route
+
+
+class ParsedRequest(Request):
+    """A request whose body has been read and parsed already."""
+
+    def __init__(self, request: Request, body: bytes, parsed):
+        super().__init__(request.scope, request.receive)
+        self.raw, self.parsed = body, parsed
+
+    async def body(self) -> bytes:
+        return self.raw
+
+    async def json(self):
+        return self.parsed
