@@ -15,6 +15,8 @@ Layout (as the engine's attention backends see it):
   gives each query the first prefix key it keeps, and the kernel skips whole blocks before them); a
   soft-cap maps scores s to cap * tanh(s / cap); sinks [H] start each row's online softmax at the sink's
   logit with a sum of 1 (its exp), weighing no value.
+- a layer whose K/V live in a window pool (engine/memory/window_pool.py) reads each key's slot through
+  `slot_map` (the slots above number the full pool).
 Online softmax in fp32 (Flash-Attention style), one program per (request, head, block of queries).
 `attention_reference` computes the same in plain torch; tests compare the two (on CPU under
 TRITON_INTERPRET=1, where Triton runs the kernel in numpy).
@@ -43,10 +45,11 @@ if triton is not None:
     @triton.jit
     def _paged_attention_kernel(
             q, k_cache, v_cache, out, qo_indptr, table, rows, prefix_lens, tails, tail_lens, tail_mask, key_lo,
-            sinks, scale, window, softcap, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+            sinks, slot_map, scale, window, softcap, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
             stride_ot, stride_oh, stride_table, stride_tail, stride_mb, stride_mi, stride_lo, group: tl.constexpr,
             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
+            HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+            HAS_MAP: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         m_block = tl.program_id(2)
@@ -87,6 +90,8 @@ if triton is not None:
             in_prefix = offs_n < prefix
             slots = tl.where(in_prefix, tl.load(table + row * stride_table + offs_n, mask=in_prefix, other=0),
                              tl.load(tails + b * stride_tail + tail, mask=n_valid & (tail >= 0), other=0))
+            if HAS_MAP:
+                slots = tl.load(slot_map + slots, mask=n_valid, other=0)
             kb = tl.load(k_cache + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
                          mask=n_valid[:, None] & d_valid[None, :], other=0.0).to(tl.float32)
             s = tl.dot(qb, tl.trans(kb)) * scale                                      # [BLOCK_M, BLOCK_N]
@@ -120,7 +125,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor, tails: torch.Tensor,
                     tail_lens: torch.Tensor, tail_mask: Optional[torch.Tensor], scale: float,
                     max_queries: int, *, window: Optional[int] = None, softcap: Optional[float] = None,
-                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    sinks: Optional[torch.Tensor] = None, slot_map: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention output [T, H, D] (see the module doc); max_queries: the most queries of one request."""
     T, H, D = q.shape
     B = rows.shape[0]
@@ -133,13 +138,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (B, H, triton.cdiv(max_queries, block_m))
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, qo_indptr, table, rows, prefix_lens, tails, tail_lens, mask, key_lo,
-        sinks if sinks is not None else q, scale, window or 0, softcap or 0.0,
+        sinks if sinks is not None else q, slot_map if slot_map is not None else tails, scale, window or 0,
+        softcap or 0.0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), table.stride(0), tails.stride(0),
         mask.stride(0) if tail_mask is not None else 0, mask.stride(1) if tail_mask is not None else 0,
         key_lo.stride(0), group=H // k_cache.shape[1], D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m,
         BLOCK_N=32, HAS_MASK=tail_mask is not None, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-        HAS_SINKS=sinks is not None)
+        HAS_SINKS=sinks is not None, HAS_MAP=slot_map is not None)
     return out
 
 
@@ -156,7 +162,7 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor, tails: torch.Tensor,
                         tail_lens: torch.Tensor, tail_mask: Optional[torch.Tensor], scale: float, *,
                         window: Optional[int] = None, softcap: Optional[float] = None,
-                        sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        sinks: Optional[torch.Tensor] = None, slot_map: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The same attention, request by request in plain torch (fp32)."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[1]
@@ -164,6 +170,8 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
         prefix, n_tail = int(prefix_lens[b]), int(tail_lens[b])
         slots = torch.cat([table[int(rows[b]), :prefix], tails[b, :n_tail]]).long()
+        if slot_map is not None:
+            slots = slot_map[slots]
         n, kv_len = q1 - q0, prefix + n_tail
         keys = k_cache[slots].float().repeat_interleave(group, 1)           # [kv_len, H, D]
         values = v_cache[slots].float().repeat_interleave(group, 1)

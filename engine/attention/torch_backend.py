@@ -51,6 +51,7 @@ class KeyLists:
     lens: torch.Tensor                     # [T] int64
     starts: torch.Tensor                   # [B + 1] each request's first token (its tokens share its prefix)
     shared: torch.Tensor                   # [B] prefix lengths: the leading keys all of a request's tokens see
+    window_slots: Optional[torch.Tensor] = None    # `slots` in the window pool, for its layers (window_pool.py)
 
 
 # Most new tokens per request a draft model's forward sends through the kernel outside decode steps:
@@ -86,7 +87,7 @@ class TorchAttentionBackend(AttentionBackend):
             # Decode: one query per request, which sees all its keys; only the padding needs masking
             # (always a mask, even when nothing is padded: a compiled forward then has one graph).
             if key_lists:
-                batch.attn = KeyLists(kv_index, kv_len, torch.arange(B + 1, device=device), kv_len)
+                batch.attn = self._key_lists(kv_index, kv_len, torch.arange(B + 1, device=device), kv_len)
                 return
             mask = (key_pos[None, :] < kv_len[:, None])[:, None, None, :]
             batch.attn = _Metadata(kv_index, mask, None, None, 1, self._buffers(kv_index))
@@ -107,7 +108,7 @@ class TorchAttentionBackend(AttentionBackend):
         if key_lists:
             slots, lens = _key_lists(kv_index, mask.view(B * max_new, max_kv)[unpad_index], unpad_index // max_new)
             starts = torch.cat([new.new_zeros(1), new.cumsum(0)])
-            batch.attn = KeyLists(slots, lens, starts, prefix)
+            batch.attn = self._key_lists(slots, lens, starts, prefix)
             return
         mask[:, :, 0] |= ~valid                 # padded query rows attend somewhere finite; dropped after
         offsets = new.cumsum(0) - new
@@ -115,6 +116,11 @@ class TorchAttentionBackend(AttentionBackend):
         pad_index = torch.where(valid, offsets[:, None] + q_pos[None, :], T)
         batch.attn = _Metadata(kv_index, mask[:, None], pad_index.flatten(), unpad_index, max_new,
                                self._buffers(kv_index))
+
+    def _key_lists(self, slots, lens, starts, shared) -> KeyLists:
+        # Translated once a forward, for every windowed layer.
+        window = self.kv_pool.translate(slots) if self.kv_pool.window else None
+        return KeyLists(slots, lens, starts, shared, window)
 
     def _buffers(self, kv_index: torch.Tensor):
         return self.kv_pool.gather_buffers(kv_index.numel())
@@ -133,7 +139,8 @@ class TorchAttentionBackend(AttentionBackend):
         self.kv_pool.store(layer, batch.out_slots, k, v)
         meta = batch.attn
         if isinstance(meta, KeyLists):
-            return cpu_attention.attend(q, self.kv_pool.k[layer], self.kv_pool.v[layer], meta.slots, meta.lens, scale,
+            slots = meta.window_slots if self.kv_pool.windowed(layer) else meta.slots
+            return cpu_attention.attend(q, self.kv_pool.k[layer], self.kv_pool.v[layer], slots, meta.lens, scale,
                                         meta.starts, meta.shared, window=window, softcap=softcap, sinks=sinks)
         B = meta.kv_index.shape[0]          # a tensor's size, not a list's length: symbolic when compiled
         T, H, D = q.shape

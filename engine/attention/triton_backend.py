@@ -45,4 +45,5 @@ class TritonAttentionBackend(AttentionBackend):
         meta: _Metadata = batch.attn
         return self.kernel(q, self.kv_pool.k[layer], self.kv_pool.v[layer], meta.qo_indptr, batch.table, batch.rows,
                            meta.prefix_lens, meta.tails, meta.tail_lens, meta.mask, scale, meta.max_queries,
-                           window=window, softcap=softcap, sinks=sinks)
+                           window=window, softcap=softcap, sinks=sinks,
+                           slot_map=self.kv_pool.window.slot_map if self.kv_pool.windowed(layer) else None)

@@ -13,6 +13,13 @@ the embedding of t + 1), so a match must agree on the next token too (SGLang doe
 and with one key for every configuration, plain and speculative decoding cache and reuse exactly the
 same positions (a finished request's first seq_len - 1, whose KV plain decoding computed), so a later
 prompt's prefill starts at the same position in both and their outputs stay identical token for token.
+
+With a window pool (a target with sliding-window layers: engine/memory/window_pool.py) each committed
+step also frees the window slots of the request's own positions that no query can reach any more: the
+next query of a request sits at its committed length or later, so positions more than `window - 1`
+before it are read by global layers only. Positions of its cached prefix are the radix cache's and stay
+as they are. A cached prefix is reused only as far as the window before its end is still held, since
+the request's first queries read it in the windowed layers (SGLang's SWA radix cache matches alike).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 from engine.memory.budget import KVBudget
 from engine.memory.kv_pool import TokenSlotAllocator
 from engine.memory.radix_cache import RadixCache
+from engine.memory.window_pool import SlidingLayout, WindowedSlotAllocator, WindowPool
 from engine.core.request import Request
 from engine.core.to_device import to_device
 
@@ -32,8 +40,11 @@ _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 class KVManager:
     def __init__(self, num_slots: int, max_rows: int, max_context: int, device, radix: bool,
-                 budget: Optional[KVBudget] = None):
-        self.allocator = TokenSlotAllocator(num_slots)
+                 budget: Optional[KVBudget] = None, sliding: Optional[SlidingLayout] = None, window_slots: int = 0):
+        """`sliding` and `window_slots`: a window pool of that many slots for those layers."""
+        self.sliding = sliding
+        self.allocator = (WindowedSlotAllocator(num_slots, window_slots, sliding.window, device) if sliding
+                          else TokenSlotAllocator(num_slots))
         self.budget = budget or KVBudget(num_slots)     # how the pool was sized: out-of-memory advice
         # One row more than handed out, all zeros: the row of dummy requests that pad a batch.
         self.table = torch.zeros((max_rows + 1, max_context), dtype=torch.int64, device=device)
@@ -47,15 +58,29 @@ class KVManager:
         return self.allocator.size
 
     def available(self) -> int:
-        """Slots that can be had now: free ones plus unlocked cached ones (evicted on demand)."""
-        return self.allocator.available() + self.cached()
+        """Slots that can be had now: free ones plus unlocked cached ones (evicted on demand); with a
+        window pool, the fewer of its slots and the full pool's."""
+        full, window = self.allocator.free_counts()
+        if self.radix:
+            full, window = full + self.radix.evictable_size(), window + self.radix.evictable_held()
+        return min(full, window)
 
     def unused(self) -> int:
         """Slots free without evicting anything."""
         return self.allocator.available()
 
+    def usage(self) -> tuple[int, int]:
+        """Slots in use, by requests or the radix cache: (full pool's, window pool's); both the same
+        without a window pool."""
+        full, window = self.allocator.free_counts()
+        return self.capacity - full, (self.allocator.window_slots if self.sliding else self.capacity) - window
+
     def cached(self) -> int:
         return self.radix.evictable_size() if self.radix else 0
+
+    def window_pool(self) -> Optional[WindowPool]:
+        """Where a target's KVPool keeps its sliding-window layers (None: every layer in the full pool)."""
+        return self.allocator.pool(self.sliding.layers) if self.sliding else None
 
     def rows_available(self) -> int:
         return len(self._free_rows)
@@ -68,9 +93,9 @@ class KVManager:
     # ------------------------------------------------------------------ slots
     def alloc(self, n: int) -> torch.Tensor:
         """n slots, evicting cached prefixes as needed. The caller checked `available()` first."""
-        short = n - self.allocator.available()
-        if short > 0 and self.radix:
-            self.radix.evict(short)
+        full, window = self.allocator.free_counts()
+        if self.radix and n > min(full, window):
+            self.radix.evict(n - full, n - window)
         slots = self.allocator.alloc(n)
         assert slots is not None, "callers check available() first"
         return slots
@@ -84,7 +109,12 @@ class KVManager:
         last token to compute: that token's logits give the next one."""
         if not self.radix:
             return _NO_SLOTS, None
-        return self.radix.match_prefix(self._key(req.token_ids, req.seq_len - 1))
+        key = self._key(req.token_ids, req.seq_len - 1)
+        slots, node = self.radix.match_prefix(key)
+        usable = self.allocator.reusable(slots)     # the window before the end still held
+        if usable < len(slots):
+            slots, node = self.radix.match_prefix(key[:usable])
+        return slots, node
 
     def lock(self, node) -> None:
         """Pin a matched prefix (it stops counting as available)."""
@@ -112,6 +142,22 @@ class KVManager:
         cols = [r.kv_len + j for r, k in zip(reqs, counts) for j in range(k)]
         device = self.table.device
         self.table[to_device(rows, device), to_device(cols, device)] = to_device(slots, device)
+        if self.sliding:
+            self._slide(reqs, counts)
+
+    def _slide(self, reqs: Sequence[Request], counts: Sequence[int]) -> None:
+        """Free the window slots of positions the requests' next queries no longer reach (positions up
+        to kv_len - window, once counts[i] more are committed), of their own positions only; those
+        before the last commit's bound were freed then."""
+        window = self.sliding.window
+        rows, cols = [], []
+        for r, k in zip(reqs, counts):
+            start, end = max(r.prefix_len, r.kv_len - window + 1), r.kv_len + k - window + 1
+            rows += [r.row] * max(0, end - start)
+            cols += range(start, end)
+        if rows:
+            device = self.table.device
+            self.allocator.free_window(self.table[to_device(rows, device), to_device(cols, device)])
 
     def release(self, req: Request) -> None:
         """Give back a request's KV: into the radix cache when on (the request itself may reuse it on

@@ -7,11 +7,18 @@ Slot 0 is never handed out: it stays zero and pads gathers, so a padded row atte
 that its mask then hides. Nor is slot size + 1, where rows added to pad a batch to a fixed shape
 (engine/core/graph_runner.py) write their K/V. Freeing a request's rejected or finished tokens is returning their slot
 numbers to the free list; no KV is ever copied (but a STANDALONE draft's parked root: speculative/standalone.py).
+A target whose layers are partly or wholly sliding-window keeps those layers' K/V in a second, smaller
+pool, reached through a map from these slots (engine/memory/window_pool.py).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional
+
 import torch
+
+if TYPE_CHECKING:
+    from engine.memory.window_pool import WindowPool
 
 
 class TokenSlotAllocator:
@@ -23,6 +30,18 @@ class TokenSlotAllocator:
 
     def available(self) -> int:
         return self._count
+
+    def free_counts(self) -> tuple[int, int]:
+        """(free slots, free slots of the windowed layers): one pool holds every layer here."""
+        return self._count, self._count
+
+    def count_held(self, slots: torch.Tensor) -> int:
+        """How many of `slots` hold the windowed layers' K/V: all (engine/memory/window_pool.py)."""
+        return slots.numel()
+
+    def reusable(self, slots: torch.Tensor) -> int:
+        """The longest prefix of a sequence's slots a request may continue from: all of it."""
+        return len(slots)
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """`n` free slots as an int64 tensor, or None when fewer are free (nothing is taken then)."""
@@ -55,17 +74,34 @@ class TokenSlotAllocator:
 
 
 class KVPool:
-    """K and V buffers for every layer, indexed by slot."""
+    """K and V buffers for every layer, indexed by slot. With a `window` pool, its layers' buffers are
+    the window pool's, smaller, and store/gather translate slots through its slot map
+    (engine/memory/window_pool.py); `k[layer]` and `v[layer]` are each layer's own buffers either way."""
 
     def __init__(self, num_layers: int, size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
-        self.size = size
-        shape = (size + 2, num_kv_heads, head_dim)
+                 dtype: torch.dtype, device: torch.device | str = "cpu", window: Optional[WindowPool] = None):
+        self.size, self.window = size, window
+        windowed = window.layers if window else frozenset()
+
+        def shape(layer: int) -> tuple[int, int, int]:
+            return ((window.slots if layer in windowed else size) + 2, num_kv_heads, head_dim)
+
         # torch.empty: on CPU the pages are committed only when written, so a large pool costs what is used.
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [torch.empty(shape(i), dtype=dtype, device=device) for i in range(num_layers)]
+        self.v = [torch.empty(shape(i), dtype=dtype, device=device) for i in range(num_layers)]
         for buf in self.k + self.v:
             buf[0].zero_()
+
+    def windowed(self, layer: int) -> bool:
+        """Whether the layer's K/V live in the window pool, at the slots `translate` gives."""
+        return self.window is not None and layer in self.window.layers
+
+    def translate(self, slots: torch.Tensor) -> torch.Tensor:
+        """The window pool's slots of full slots (0, a zero row, where the window slot was freed)."""
+        return self.window.slot_map[slots]
+
+    def _slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        return self.translate(slots) if self.windowed(layer) else slots
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -73,6 +109,7 @@ class KVPool:
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # index_copy_/index_select: about twice as fast on CPU as indexed assignment and lookup.
+        slots = self._slots(layer, slots)
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
 
@@ -80,7 +117,7 @@ class KVPool:
                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `slots` (any shape S): two [*S, Hkv, D] copies, written into `out` (two
         [S.numel(), Hkv, D] buffers) when given."""
-        flat = slots.reshape(-1)
+        flat = self._slots(layer, slots.reshape(-1))
         shape = (*slots.shape, *self.k[layer].shape[1:])
         if out is None:
             return self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(shape)
@@ -89,8 +126,10 @@ class KVPool:
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's K/V of slots `src` into slots `dst`."""
-        for buf in self.k + self.v:
-            buf.index_copy_(0, dst, buf.index_select(0, src))
+        for layer, pair in enumerate(zip(self.k, self.v)):
+            to, of = self._slots(layer, dst), self._slots(layer, src)
+            for buf in pair:
+                buf.index_copy_(0, to, buf.index_select(0, of))
 
     def gather_buffers(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two buffers for `gather(..., out=)` of `count` slots."""

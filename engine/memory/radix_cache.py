@@ -5,6 +5,10 @@ against the tree, locks the matched node and computes only the rest. Each edge h
 and one slot per token; the tree owns the slots of its nodes until it evicts them back to the
 allocator. A lock on a node pins the node and all its ancestors, since a running request needs its
 whole prefix. Unlocked leaves are evicted least recently used first.
+
+With a window pool (engine/memory/window_pool.py) some of a node's tokens may have had their window slot
+freed already (a request frees them as its window moves on): each node counts the tokens still holding
+one, so that the cache knows how many window slots evicting would give back.
 """
 
 from __future__ import annotations
@@ -21,16 +25,17 @@ _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 class TreeNode:
-    __slots__ = ("children", "key", "value", "parent", "lock_ref", "last_access")
+    __slots__ = ("children", "key", "value", "parent", "lock_ref", "last_access", "held")
 
     def __init__(self, key: tuple[int, ...] = (), value: torch.Tensor = _NO_SLOTS,
-                 parent: TreeNode | None = None, last_access: int = 0):
+                 parent: TreeNode | None = None, last_access: int = 0, held: int = 0):
         self.children: dict[int, TreeNode] = {}  # keyed by the child's first token id
         self.key = key
         self.value = value  # int64 slots, one per token of key
         self.parent = parent
         self.lock_ref = 0  # locks held on this node or any descendant
         self.last_access = last_access
+        self.held = held  # tokens whose window slot is held (all of them without a window pool)
 
     def __lt__(self, other: TreeNode) -> bool:  # heap order for eviction: oldest first
         return self.last_access < other.last_access
@@ -54,6 +59,7 @@ class RadixCache:
         self.root = TreeNode()
         self._evictable = 0
         self._protected = 0
+        self._evictable_held = 0
 
     def match_prefix(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, TreeNode]:
         """Longest cached prefix of token_ids: (its slots, possibly empty; the node ending exactly there)."""
@@ -72,8 +78,10 @@ class RadixCache:
         if i < len(key):
             # Copy: the caller's tensor is often a view of a request's row, which gets reused.
             value = slots[i:].to("cpu", torch.int64, copy=True)
-            node.children[key[i]] = TreeNode(key[i:], value, node, next(self._clock))
+            held = self.allocator.count_held(value)
+            node.children[key[i]] = TreeNode(key[i:], value, node, next(self._clock), held)
             self._evictable += len(key) - i
+            self._evictable_held += held
         return i
 
     def _walk(self, key: tuple[int, ...]) -> tuple[TreeNode, int, list[torch.Tensor]]:
@@ -93,8 +101,10 @@ class RadixCache:
     def _split(self, node: TreeNode, n: int) -> TreeNode:
         """Cut node's edge after n tokens; return the new upper node. `node` keeps being the lower part,
         so a caller holding it (and its lock) still holds the same full prefix."""
-        upper = TreeNode(node.key[:n], node.value[:n], node.parent, node.last_access)
+        upper = TreeNode(node.key[:n], node.value[:n], node.parent, node.last_access,
+                         self.allocator.count_held(node.value[:n]))
         upper.lock_ref = node.lock_ref  # the same locks pass through both halves; sizes don't change
+        node.held -= upper.held
         upper.children[node.key[n]] = node
         node.parent.children[node.key[0]] = upper
         node.key, node.value, node.parent = node.key[n:], node.value[n:], upper
@@ -105,6 +115,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
+                self._evictable_held -= node.held
             node.lock_ref += 1
             node = node.parent
 
@@ -115,24 +126,28 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._protected -= len(node.key)
                 self._evictable += len(node.key)
+                self._evictable_held += node.held
             node = node.parent
 
-    def evict(self, num_tokens: int) -> int:
-        """Free at least num_tokens slots if that many are evictable, LRU leaves first; return tokens freed."""
-        if num_tokens <= 0:
+    def evict(self, num_tokens: int, num_held: int = 0) -> int:
+        """Free at least num_tokens slots, and num_held window slots, if that many are evictable, LRU
+        leaves first; return tokens freed."""
+        if num_tokens <= 0 and num_held <= 0:
             return 0
         # Evictions are rare next to matches, so the leaves are gathered here rather than tracked.
         leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(leaves)
         freed: list[torch.Tensor] = []
-        num_freed = 0
-        while num_freed < num_tokens and leaves:
+        num_freed = held_freed = 0
+        while (num_freed < num_tokens or held_freed < num_held) and leaves:
             node = heapq.heappop(leaves)
             parent = node.parent
             del parent.children[node.key[0]]
             freed.append(node.value)
             num_freed += len(node.key)
+            held_freed += node.held
             self._evictable -= len(node.key)
+            self._evictable_held -= node.held
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, parent)
         if freed:
@@ -149,6 +164,10 @@ class RadixCache:
 
     def evictable_size(self) -> int:
         return self._evictable
+
+    def evictable_held(self) -> int:
+        """Window slots the evictable nodes hold (engine/memory/window_pool.py)."""
+        return self._evictable_held
 
     def protected_size(self) -> int:
         return self._protected
