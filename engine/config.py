@@ -251,9 +251,9 @@ class ServerArgs:
         "(SGLang's parser names). A grammar (response_format, tools) then constrains the answer, not the "
         "thinking.", group="Chat", choices=("deepseek-r1", "deepseek-v3", "qwen3", "qwen3-thinking", "gpt-oss")))
     tool_call_parser: Optional[str] = field(default=None, metadata=opt(
-        "Format of the model's tool calls (SGLang's parser names). Default: read from the chat template "
-        "(Qwen/Hermes <tool_call> blocks).", group="Chat",
-        choices=("qwen25", "llama3", "mistral", "deepseekv3", "pythonic", "gpt-oss")))
+        "Format of the model's tool calls (SGLang's parser names; qwen and hermes are qwen25's <tool_call> "
+        "blocks). Default: read from the chat template (<tool_call> blocks), else tools are refused.", group="Chat",
+        choices=("qwen25", "qwen", "hermes", "llama3", "mistral", "deepseekv3", "pythonic", "gpt-oss")))
 
     # --- Compilation and CUDA graphs ----------------------------------------------------------------
     enable_torch_compile: bool = field(default=False, metadata=opt(
