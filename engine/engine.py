@@ -358,6 +358,7 @@ class Engine:
         }
         if self.args.speculative_algorithm:
             meta["spec_verify_ct"] = req.spec_verify_ct
+            meta["spec_accept_token_num"] = req.spec_accepted_tokens        # SGLang's name
             meta["spec_accept_length"] = req.num_output / req.spec_verify_ct if req.spec_verify_ct else None
         if req.prediction is not None:
             meta["accepted_prediction_tokens"] = req.prediction.accepted
