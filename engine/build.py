@@ -18,10 +18,12 @@ from engine.core.cost_probe import forward_times
 from engine.distributed import group as tp
 from engine.core.graph_runner import attach
 from engine.loader import load_config, load_tokenizer, resolve_model_path
-from engine.memory.budget import KVBudget
+from engine.memory.budget import MIN_SLOTS, KVBudget, slot_bytes, window_slots
 from engine.memory.kv_manager import KVManager
 from engine.memory.kv_pool import KVPool
-from engine.core.model_runner import ModelRunner, kv_layout, load_model, resolve_device, resolve_dtype, resolve_quantization
+from engine.memory.window_pool import SlidingLayout
+from engine.core.model_runner import (ModelRunner, kv_layout, kv_windows, load_model, resolve_device, resolve_dtype,
+                                      resolve_quantization)
 from engine.progress import progress
 from engine.core.scheduler import Scheduler
 from engine.speculative.cost import StepCost
@@ -96,6 +98,19 @@ def full_request_slots(args: ServerArgs) -> int:
     return args.context_length + (args.speculative_num_draft_tokens or 1)
 
 
+def sliding_layout(args: ServerArgs, target: nn.Module) -> Optional[SlidingLayout]:
+    """The target's sliding-window layers, which keep their K/V in a pool of their own, freed as windows
+    move on (engine/memory/window_pool.py); None where none has a window shorter than the context, and
+    under tensor parallelism, whose other ranks keep no slot map (engine/distributed/mirror.py sends them
+    table rows only)."""
+    layout = SlidingLayout.of(kv_windows(target), args.context_length)
+    if layout is not None and args.tp_size > 1:
+        log.info("under tensor parallelism the sliding-window layers keep the K/V of every token, as the others "
+                 "do (--swa-full-tokens-ratio has no effect)")
+        return None
+    return layout
+
+
 def model_bytes(model: Optional[nn.Module]) -> int:
     if model is None:
         return 0
@@ -135,18 +150,23 @@ def build_engine_parts(args: ServerArgs, planners: Optional[PlannerFactory] = No
                         quantization=quantization)
     draft = load_draft_model(args, target, model_dir, dtype, device, max_positions)
 
-    per_token = KVPool.bytes_per_token(*kv_layout(target), dtype)
+    layers, heads, head_dim = kv_layout(target)
+    sliding = sliding_layout(args, target)
+    windowed = len(sliding.layers) if sliding else 0
+    full = KVPool.bytes_per_token(layers - windowed, heads, head_dim, dtype)
     if draft is not None:
-        per_token += KVPool.bytes_per_token(*kv_layout(draft), dtype)
+        full += KVPool.bytes_per_token(*kv_layout(draft), dtype)
+    per_token = slot_bytes(full, KVPool.bytes_per_token(windowed, heads, head_dim, dtype), args.swa_full_tokens_ratio)
     budget = kv_budget(args, device, model_bytes(target) + model_bytes(draft), per_token)
     slots = budget.slots
+    local = window_slots(slots, args.swa_full_tokens_ratio, sliding.window + args.prefill_chunk(device) + MIN_SLOTS
+                         ) if sliding else 0
     max_running = args.max_running_requests or (256 if device == "cuda" else 32)
     kv = KVManager(slots, max_running + _SPARE_ROWS, max_positions + 1, device, radix=not args.disable_radix_cache,
-                   budget=budget)
-    layers, heads, head_dim = kv_layout(target)
+                   budget=budget, sliding=sliding, window_slots=local)
     eos = eos_token_ids(model_dir, config, tokenizer)
     try:    # the target's K/V buffers, then the draft's (with its drafter)
-        pool = KVPool(layers, slots, heads, head_dim, dtype, device)
+        pool = KVPool(layers, slots, heads, head_dim, dtype, device, kv.window_pool())
         runner = ModelRunner(target, pool, create_backend(args.attention_backend, device, pool,
                                                           args.enable_deterministic_inference))
         worker = build_worker(args, runner, kv, eos, draft)
@@ -158,9 +178,11 @@ def build_engine_parts(args: ServerArgs, planners: Optional[PlannerFactory] = No
            worker.capture_hidden)
     scheduler = Scheduler(args, kv, worker, tokenizer, eos, args.context_length, max_running, device,
                           planners or TimedPlanners())
-    log.info("model %s: %s%s, %.0f MiB of weights%s; KV pool %d tokens (%.0f MiB)", model_dir, dtype,
+    log.info("model %s: %s%s, %.0f MiB of weights%s; KV pool %d tokens (%.0f MiB)%s", model_dir, dtype,
              f", {quantization} weights" if quantization else "", model_bytes(target) / 2**20,
-             f" + {model_bytes(draft) / 2**20:.0f} MiB draft" if draft is not None else "", slots, slots * per_token / 2**20)
+             f" + {model_bytes(draft) / 2**20:.0f} MiB draft" if draft is not None else "", slots, slots * per_token / 2**20,
+             f"; {windowed} of {layers} layers keep a {sliding.window}-token window, in a pool of {local} tokens"
+             if sliding else "")
     return EngineParts(args, model_dir, config, tokenizer, kv, runner, draft, scheduler, eos)
 
 

@@ -110,6 +110,11 @@ class ServerArgs:
         "Lower it on out-of-memory errors.", flags=("--mem-fraction-static", "--mem-fraction"), group="Memory and scheduling"))
     max_total_tokens: Optional[int] = field(default=None, metadata=opt(
         "Size of the KV cache pool in tokens; overrides --mem-fraction-static.", group="Memory and scheduling"))
+    swa_full_tokens_ratio: float = field(default=0.8, metadata=opt(
+        "For models with sliding-window layers (Gemma 2/3, Mistral v0.1, ...): slots of those layers' own KV pool "
+        "per slot of the full pool. Their K/V is freed once the window has passed, so a long request holds only "
+        "a window of it; lower the ratio to fit more context in the same memory, raise it (at most 1) for many "
+        "requests shorter than the window.", group="Memory and scheduling"))
     max_running_requests: Optional[int] = field(default=None, metadata=opt(
         "Most requests decoded together in one batch. Default: 256 on GPU, 32 on CPU.", group="Memory and scheduling"))
     chunked_prefill_size: int = field(default=-1, metadata=opt(
@@ -348,6 +353,8 @@ class ServerArgs:
                               f"{self.grammar_compile_timeout}.")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}.")
+        if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
+            raise ConfigError(f"--swa-full-tokens-ratio must be in (0, 1], got {self.swa_full_tokens_ratio}.")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}.")
         for name, value in dataclasses.asdict(self).items():

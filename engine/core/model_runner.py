@@ -181,6 +181,11 @@ def kv_layout(model: nn.Module) -> tuple[int, int, int]:
     return getattr(model, "num_layers", 1), attn.num_kv_heads, attn.head_dim
 
 
+def kv_windows(model: nn.Module) -> list[Optional[int]]:
+    """Each layer's sliding window (None: it attends to everything), as its attention holds it."""
+    return [getattr(layer.self_attn, "window", None) for layer in model.model.layers]
+
+
 @dataclass
 class ForwardOutput:
     logits: Optional[torch.Tensor]       # [R, V] fp32 for the requested rows, on the device

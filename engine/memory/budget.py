@@ -4,6 +4,10 @@ The pool gets --mem-fraction-static of the device's memory (RAM on CPU) once the
 --max-total-tokens slots. Knowing how it was sized, every out-of-memory message (docs/serving.md,
 "Out of memory") can name a value that would fit: at start-up (the weights leave no room), for a
 request larger than the pool, and when decode steps have to retract requests.
+
+A target with sliding-window layers keeps their K/V in a window pool of --swa-full-tokens-ratio slots
+per slot (engine/memory/window_pool.py): a slot costs the global layers' (and a draft's) K/V and that
+fraction of the windowed layers', so the same memory holds more tokens.
 """
 
 from __future__ import annotations
@@ -26,10 +30,22 @@ MIN_SLOTS = 64
 _RETRACTION_LOG_S = 60.0
 
 
+def slot_bytes(full: int, windowed: int, ratio: float) -> int:
+    """Bytes of one slot: `full` (the K/V of layers every token keeps, a draft's included) and `ratio` of
+    `windowed` (the sliding-window layers', whose pool has `ratio` slots per slot)."""
+    return full + math.ceil(ratio * windowed)
+
+
+def window_slots(slots: int, ratio: float, least: int) -> int:
+    """The window pool's size for a full pool of `slots`: `ratio` of it, and at least `least` (a window, a
+    prefill chunk and a step's tree, which one request may hold at once) where the full pool has that many."""
+    return max(int(ratio * slots), min(slots, least))
+
+
 @dataclass
 class KVBudget:
     slots: int
-    bytes_per_token: int = 0        # one slot: the target's and the draft's K/V of one token
+    bytes_per_token: int = 0        # one slot: the target's and the draft's K/V of one token (slot_bytes)
     weight_bytes: int = 0           # target and draft
     device_bytes: int = 0           # the device's memory (RAM on CPU); 0: unknown
     fraction: Optional[float] = None     # --mem-fraction-static in effect; None when --max-total-tokens sized it
