@@ -18,7 +18,7 @@ from engine.config import ServerArgs
 from engine.engine import Engine
 from engine.core.sampling_params import SamplingParams
 from engine.server import logprobs as lp_format
-from engine.server import openai_api, tool_calls
+from engine.server import openai_api, responses_api, tool_calls
 from engine.server.bodies import BodyParser
 from engine.server.errors import APIError, error_response, error_responses, install_error_handlers
 from engine.server.limits import BodyLimit, JSONBodyRoute
@@ -55,6 +55,7 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
     if serving.api_key:     # added last, so it runs first: no body is read for a client without the key
         app.add_middleware(APIKeyMiddleware, key=serving.api_key)
     app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
     app.include_router(_router(serving))
     app.openapi = lambda: app.openapi_schema or _openapi(app, serving)
     return app
