@@ -1,7 +1,7 @@
 """Tiny GGUF files as llama.cpp writes them, for the loader's and the quantized formats' tests: a tokenizer
-GGUF can carry, a tiny Llama, the file writer (F32, or chosen linears in a GGUF quantization, K types
-included), raw blocks of each quantization, and the check that a converted directory reads as
-transformers dequantizes the file."""
+GGUF can carry, a tiny Llama, the file writer for each family llama.cpp writes that the engine serves (F32,
+or chosen linears in a GGUF quantization, K types included), raw blocks of each quantization, and the
+check that a converted directory reads as transformers dequantizes the file."""
 
 from __future__ import annotations
 
@@ -41,17 +41,50 @@ def tiny_llama(vocab_size: int, tie: bool = False, hidden_size: int = 64, interm
     return LlamaForCausalLM(config).eval()
 
 
+# llama.cpp's architecture for each model type it writes: Mixtral is "llama" with experts.
+GGUF_ARCHS = {"llama": "llama", "mixtral": "llama", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
+              "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+
+
 def write_tiny_gguf(path: Path, model, tokenizer, linear_types: dict[str, str] | None = None) -> None:
-    """Write `model` (a Llama, Gemma 2 or Gemma 3) as llama.cpp's convert_hf_to_gguf.py would: F32 tensors
-    (or, for the decoder's linears named in linear_types, e.g. {"q_proj": "Q4_1"}, that GGUF quantization),
-    a Llama's Q/K rows permuted, Gemma's norm weights stored as 1 + w with its head size, window, soft-caps
-    and global RoPE scaling in the header."""
+    """Write `model` (of a type in GGUF_ARCHS) as llama.cpp's convert_hf_to_gguf.py would: F32 tensors (or,
+    for the decoder's linears named in linear_types, e.g. {"q_proj": "Q4_1"}, that GGUF quantization;
+    "gate_proj", "up_proj" and "down_proj" name the experts' too), a Llama's Q/K rows permuted, Gemma's
+    norm weights stored as 1 + w, experts stacked into one tensor per projection, the family's header
+    (head size, windows, soft-caps, RoPE scaling, expert counts and sizes) and Phi-3's LongRoPE factors as
+    tensors."""
     import gguf
 
     config = model.config
-    arch = {"llama": "llama", "gemma2": "gemma2", "gemma3_text": "gemma3"}[config.model_type]
+    arch = GGUF_ARCHS[config.model_type]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny {arch}")
+    _write_header(writer, config, arch)
+    _write_vocab(writer, tokenizer, config.pad_token_id)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    for hf_name, tensor in model.named_parameters():  # a tied lm_head once, as llama.cpp writes it
+        for name, data, part in _gguf_tensors(hf_name, tensor.detach().float().numpy(), config, arch, names):
+            kind = (linear_types or {}).get(part)
+            if kind:
+                quant = gguf.GGMLQuantizationType[kind]
+                ours = {"Q4_K": quantize_k, "Q5_K": lambda w: quantize_k(w, 5), "Q6_K": quantize_q6_k}  # not in gguf-py
+                blocks = ours.get(kind, lambda w: gguf.quants.quantize(w, quant))(data)
+                writer.add_tensor(name, blocks, raw_dtype=quant)
+            else:
+                writer.add_tensor(name, data)
+    if arch == "phi3" and config.rope_parameters.get("long_factor"):
+        for which in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{which}.weight",
+                              np.array(config.rope_parameters[f"{which}_factor"], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _write_header(writer, config, arch: str) -> None:
+    import gguf
+
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -61,9 +94,10 @@ def write_tiny_gguf(path: Path, model, tokenizer, linear_types: dict[str, str] |
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     writer.add_rope_freq_base(rope["rope_theta"])
-    if arch != "llama":
+    if arch in ("gemma2", "gemma3", "qwen3moe"):
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
+    if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(config.sliding_window)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
@@ -71,7 +105,24 @@ def write_tiny_gguf(path: Path, model, tokenizer, linear_types: dict[str, str] |
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if arch == "phi3":          # a window of 0: none (Phi-4)
+        writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+        writer.add_sliding_window(config.sliding_window or 0)
+        if rope.get("original_max_position_embeddings"):
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    if getattr(config, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+
+def _write_vocab(writer, tokenizer, pad: int | None) -> None:
+    import gguf
 
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     specials = set(tokenizer.all_special_ids)
@@ -83,32 +134,31 @@ def write_tiny_gguf(path: Path, model, tokenizer, linear_types: dict[str, str] |
     writer.add_token_merges([" ".join(pair) for pair in merges])
     writer.add_bos_token_id(tokenizer.bos_token_id)
     writer.add_eos_token_id(tokenizer.eos_token_id)
+    if pad is not None:             # as the model's config has it (Phi-3's default lies past a tiny vocabulary)
+        writer.add_pad_token_id(pad)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
-    for hf_name, tensor in model.named_parameters():  # a tied lm_head once, as llama.cpp writes it
-        base, suffix = hf_name.rsplit(".", 1)
-        data = tensor.detach().float().numpy()
-        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(base.split(".")[-1])
-        if arch != "llama" and base.endswith("norm"):
-            data = data + 1             # Gemma's norms scale by 1 + w; llama.cpp stores the sum
-        elif heads and arch == "llama":  # llama.cpp interleaves the two rotary halves of every head
-            data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2)
-            data = np.ascontiguousarray(data.reshape(tensor.shape))
-        kind = (linear_types or {}).get(base.split(".")[-1]) if suffix == "weight" else None
-        if kind:
-            quant = gguf.GGMLQuantizationType[kind]
-            ours = {"Q4_K": quantize_k, "Q5_K": lambda w: quantize_k(w, 5), "Q6_K": quantize_q6_k}  # not in gguf-py
-            quantize = ours.get(kind, lambda w: gguf.quants.quantize(w, quant))
-            blocks = quantize(data)
-            writer.add_tensor(f"{names.get_name(base)}.{suffix}", blocks, raw_dtype=quant)
-        else:
-            writer.add_tensor(f"{names.get_name(base)}.{suffix}", data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+def _gguf_tensors(hf_name: str, data: np.ndarray, config, arch: str, names):
+    """(GGUF name, data, the linear's part name or None) of one transformers parameter, as llama.cpp
+    writes it: transformers' experts [E, 2I, H] and [E, H, I] as ffn_{gate,up,down}_exps [E, rows, K]."""
+    base, suffix = hf_name.rsplit(".", 1) if hf_name.endswith((".weight", ".bias")) else (hf_name, "weight")
+    part = base.split(".")[-1]
+    if base.endswith("experts.gate_up_proj"):
+        block = names.get_name(base.replace("gate_up_proj", "down_proj")).rsplit(".", 1)[0]
+        for which, half in zip(("gate", "up"), np.split(data, 2, axis=1)):
+            yield f"{block}.ffn_{which}_exps.weight", np.ascontiguousarray(half), f"{which}_proj"
+        return
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(part)
+    if arch in ("gemma2", "gemma3") and base.endswith("norm"):
+        data = data + 1             # Gemma's norms scale by 1 + w; llama.cpp stores the sum
+    elif heads and arch == "llama":  # llama.cpp interleaves the two rotary halves of every head
+        data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2)
+        data = np.ascontiguousarray(data.reshape(-1, *data.shape[3:]))
+    elif part == "shared_expert_gate":
+        data = data[0]              # [1, H] stored as [H]
+    yield f"{names.get_name(base)}.{suffix}", data, part if suffix == "weight" else None
 
 
 def quantize_k(w: np.ndarray, bits: int = 4) -> np.ndarray:

@@ -6,7 +6,9 @@ undo llama.cpp's Q/K row permutation), one tensor at a time. Q4_0/Q4_1/Q4_K, Q5_
 Q8_0/Q5_0/Q5_1 tensors (engine/loader/gguf_quant.py) are kept only as they are: the engine serves them
 directly on the CPU (--quantization auto), and iter_weights dequantizes them, bit for bit as GGUF does,
 where a float copy is asked for (--dtype float32, the exact reference). Other types (norms, F16/F32,
-Q2_K/Q3_K/IQ*) are dequantized into model.safetensors. Later runs reuse the directory.
+Q2_K/Q3_K/IQ*) are dequantized into model.safetensors. A layer's experts, which the file stacks, are
+written one tensor per expert (gguf_families.py, with what else each family's file means beyond what
+transformers' reader gives). Later runs reuse the directory.
 transformers and gguf are imported inside functions: importing them takes seconds, which commands that
 never convert should not pay.
 """
@@ -32,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 # In a folder of its own, so that the checkpoint's *.safetensors stay the float weights alone.
 # Bumped when what a conversion writes changes: older cached directories are converted again.
-_FORMAT = 7
+_FORMAT = 8
 
 
 def converted_root() -> Path:
@@ -122,14 +124,17 @@ def _stored_dtype(path: Path) -> torch.dtype:
 def _convert_into(path: Path, dtype: torch.dtype, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    from engine.loader import gguf_families
+
     folder, name = str(path.parent), path.name
+    gguf_families.check_served(path)
     try:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        _gemma_settings(path, config)
+        with gguf_families.readable():
+            config = gguf_families.settle(path, AutoConfig.from_pretrained(folder, gguf_file=name))
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         # A weightless model on the meta device: transformers maps GGUF tensor names onto its names.
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         written = _write_tensors(path, config, skeleton, dtype, out)
     except OSError as e:    # the file's header and tensor table were read before (_stored_dtype): the writing side
         raise ModelLoadError(
@@ -140,7 +145,7 @@ def _convert_into(path: Path, dtype: torch.dtype, out: Path) -> None:
         raise ModelLoadError(
             f"transformers cannot convert {path}: {e}. Pass a Hugging Face directory of the model instead.") from e
     # named_parameters() lists tied weights once, so a tied lm_head is not reported missing.
-    missing = sorted(set(dict(skeleton.named_parameters())) - written)
+    missing = sorted(gguf_families.checkpoint_names(skeleton) - written)
     if missing:
         raise ModelLoadError(
             f"{path} lacks tensors the {config.model_type} model needs: {', '.join(missing[:5])}"
@@ -151,33 +156,6 @@ def _convert_into(path: Path, dtype: torch.dtype, out: Path) -> None:
     tokenizer.save_pretrained(out)  # includes the GGUF's chat template, if it has one
 
 
-def _gemma_settings(path: Path, config) -> None:
-    """Set what a Gemma 2/3 file means but transformers' GGUF reader leaves at its config's defaults, as
-    llama.cpp reads the file: the attention scale (1/sqrt(head_dim), or 1/sqrt(hidden / heads) for the
-    27B models, which llama.cpp knows by their layer count: no key says it), Gemma 2's soft-caps, and
-    Gemma 3's global RoPE scaling (linear, on the 4B and larger)."""
-    import gguf
-
-    arch = config.model_type.removesuffix("_text")
-    if arch not in ("gemma2", "gemma3"):
-        return
-    fields = gguf.GGUFReader(path).fields
-
-    def value(key: str):
-        return fields[f"{arch}.{key}"].contents() if f"{arch}.{key}" in fields else None
-
-    big = config.num_hidden_layers == {"gemma2": 46, "gemma3": 62}[arch]
-    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if big else config.head_dim
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if value(key) is not None:
-            setattr(config, key, value(key))
-    kind = value("rope.scaling.type")
-    if arch == "gemma3" and kind not in (None, "none"):
-        if kind != "linear":
-            raise ValueError(f"Gemma 3 with RoPE scaling {kind!r} (llama.cpp writes only linear scaling for it)")
-        config.rope_parameters["full_attention"].update(rope_type="linear", factor=value("rope.scaling.factor"))
-
-
 def _write_tensors(path: Path, config, skeleton, dtype: torch.dtype, out: Path) -> set[str]:
     """Write the file's tensors under transformers' names and row order (as its load_gguf_checkpoint
     gives them), one tensor at a time: peak memory is one tensor, not the model.
@@ -185,11 +163,12 @@ def _write_tensors(path: Path, config, skeleton, dtype: torch.dtype, out: Path) 
     out/QUANT_FILE: {hf name}.q4 (packed nibbles), .q5, .q6 or .q8, and .q{4,5,6,8}_scale, _min and
     _super where they have them; iter_weights dequantizes them when a float copy is asked for (a float
     copy on disk took 4 bytes a weight: 7.1 GB for a 1.5B model). The rest goes to out/model.safetensors,
-    dequantized to `dtype`. Returns the names written."""
+    dequantized to `dtype`. Stacked experts go one expert at a time (gguf_families.expert_part).
+    Returns the names written."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    from engine.loader import gguf_quant
+    from engine.loader import gguf_families, gguf_quant
     from engine.loader.gguf_quant import QUANT_FILE
     from engine.loader.safetensors_io import SafetensorsWriter
 
@@ -197,32 +176,43 @@ def _write_tensors(path: Path, config, skeleton, dtype: torch.dtype, out: Path) 
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     fields = config.to_dict()
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=fields)
-    names = get_gguf_hf_weights_map(skeleton, processor)
+    names = get_gguf_hf_weights_map(skeleton, processor, model_type=arch)     # Mixtral's are "llama" names
     context = {"tensor_key_mapping": names, "parsed_parameters": {"config": fields, "tensors": {}}}
-    longest, count = max(map(len, names.values()), default=0) + len(".q8_super"), len(reader.tensors)
+    # Room for every name: an expert's (model.layers.{i}.mlp.experts.{e}.gate_proj.weight) is a layer's plus this.
+    longest = max(map(len, names.values()), default=0) + len(".experts.65535.gate_proj.weight.q8_super")
+    count = sum(t.data.shape[0] if gguf_families.expert_part(t.name) else 1 for t in reader.tensors)
     written = set()
+
+    def add(hf: str, groups: gguf_quant.Groups) -> None:
+        for suffix, t in zip(("", "_scale", "_min", "_super"), groups[1:]):
+            if t is not None:
+                stored.add(f"{hf}.q{groups.bits}{suffix}", t)
+        written.add(hf)
+
     with SafetensorsWriter(out / "model.safetensors", count, longest) as floats, \
             SafetensorsWriter(out / QUANT_FILE, 4 * count, longest) as stored:
         for tensor in progress(reader.tensors, f"converting {path.name}"):
             kind, data = tensor.tensor_type.name, tensor.data
+            if expert := gguf_families.expert_part(tensor.name):
+                for e, part in enumerate(data):         # [rows, bytes or columns] each
+                    hf = expert.format(e=e)
+                    if gguf_quant.decodable(kind):
+                        add(hf, gguf_quant.decode(part, kind, part.shape[0]))
+                    else:
+                        floats.add(hf, torch.from_numpy(_dequantize(part, tensor.tensor_type)).to(dtype))
+                        written.add(hf)
+                continue
             found = _row_order(processor, tensor.name, data.shape[0], context) \
                 if gguf_quant.decodable(kind) and data.ndim == 2 else None
             if found is not None:
                 gguf_name, order = found
-                hf = names[gguf_name]
                 groups = gguf_quant.decode(data, kind, data.shape[0])
-                if order is not None:
-                    groups = groups.map(lambda t: t[order])
-                for suffix, t in zip(("", "_scale", "_min", "_super"), groups[1:]):
-                    if t is not None:
-                        stored.add(f"{hf}.q{groups.bits}{suffix}", t)
-            else:
-                result = processor.process(weights=_dequantize(tensor), name=tensor.name, **context)
-                if result.name not in names:
-                    continue
-                hf = names[result.name]
-                floats.add(hf, torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype))
-            written.add(hf)
+                add(names[gguf_name], groups if order is None else groups.map(lambda t: t[order]))
+                continue
+            result = processor.process(weights=_dequantize(data, tensor.tensor_type), name=tensor.name, **context)
+            if result.name in names:
+                floats.add(names[result.name], torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype))
+                written.add(names[result.name])
     return written
 
 
@@ -244,18 +234,18 @@ def _row_order(processor, name: str, rows: int, context: dict):
     return result.name, None if np.array_equal(order, probe[:, 0]) else torch.from_numpy(order)
 
 
-def _dequantize(tensor) -> np.ndarray:
-    """gguf.dequantize into an array of its own (F32 comes back as a view of the file), 64 MiB of output
-    at a time: its temporaries are several times what it returns (whole, Qwen2.5-Coder-1.5B's 150k-row
-    embedding took its conversion's peak from 3.3 to 4.1 GiB)."""
+def _dequantize(data: np.ndarray, kind) -> np.ndarray:
+    """gguf.dequantize of a tensor's data (of GGMLQuantizationType `kind`) into an array of its own (F32
+    comes back as a view of the file), 64 MiB of output at a time: its temporaries are several times what
+    it returns (whole, Qwen2.5-Coder-1.5B's 150k-row embedding took its conversion's peak from 3.3 to 4.1
+    GiB)."""
     import gguf
 
-    data = tensor.data
     if data.ndim < 2:
-        return np.array(gguf.dequantize(data, tensor.tensor_type))
-    first = gguf.dequantize(data[:1], tensor.tensor_type)
+        return np.array(gguf.dequantize(data, kind))
+    first = gguf.dequantize(data[:1], kind)
     out = np.empty((data.shape[0], *first.shape[1:]), first.dtype)
     step = max(1, (64 << 20) // max(1, first.nbytes))
     for row in range(0, len(out), step):
-        out[row:row + step] = gguf.dequantize(data[row:row + step], tensor.tensor_type)
+        out[row:row + step] = gguf.dequantize(data[row:row + step], kind)
     return out

@@ -7,6 +7,7 @@ load a model should not pay.
 from __future__ import annotations
 
 import json
+import re
 import zipfile
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -90,18 +91,37 @@ def _iter_stored(model_dir: Path, select: Optional[Callable[[str], bool]]) -> It
 def transformers_model(model_dir: Path, dtype: torch.dtype):
     """transformers' model of a resolved directory (for comparisons), its weights read by iter_weights:
     from_pretrained alone would leave a converted GGUF's quantized tensors, which model.safetensors does
-    not hold, at random values."""
+    not hold, at random values. One expert's projections go into transformers' stacked experts."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(load_config(model_dir), dtype=dtype).eval()
     params, loaded = model.state_dict(), set()
     with torch.no_grad():
-        for name, tensor in iter_weights(model_dir, select=lambda n: n in params):
-            params[name].copy_(tensor)
-            loaded.add(params[name].data_ptr())
+        for name, tensor in iter_weights(model_dir, select=lambda n: _destination(params, n) is not None):
+            param, into = _destination(params, name)
+            into.copy_(tensor)
+            loaded.add(params[param].data_ptr())
     if missing := [n for n, t in params.items() if t.data_ptr() not in loaded]:     # a tied head: loaded
         raise ModelLoadError(f"{model_dir} lacks weights transformers' model needs: {', '.join(missing[:5])}.")
     return model
+
+
+_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def _destination(params: dict[str, torch.Tensor], name: str) -> Optional[tuple[str, torch.Tensor]]:
+    """(parameter, where in it) a checkpoint tensor goes in transformers' model: the parameter itself, or
+    for one expert's projection its part of the stacked experts ([experts, 2 I, H] gate then up, and
+    [experts, H, I]); None for a tensor the model has no place for."""
+    if name in params:
+        return name, params[name]
+    found = _EXPERT.fullmatch(name)
+    stacked = found and f"{found[1]}.{'down' if found[3] == 'down' else 'gate_up'}_proj"
+    if stacked not in params:
+        return None
+    expert = params[stacked][int(found[2])]
+    half = expert.shape[0] // 2
+    return stacked, {"gate": expert[:half], "up": expert[half:], "down": expert}[found[3]]
 
 
 def _iter_safetensors(file: Path, select: Optional[Callable[[str], bool]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -447,11 +447,11 @@ def release_freed_memory() -> None:
 
 def install_gguf_groups(model: nn.Module, groups: Callable[[str], Optional[Groups]], kind: str,
                         draft: bool = False) -> set[str]:
-    """Replace every decoder linear whose checkpoint parts all come as GGUF groups
-    (`groups(hf name)` -> gguf_quant.Groups or None) with a `kind` layer built from them: 4-bit groups
-    as FROM_GROUPS says, and under w4a8 a target's wider ones as WIDER_GROUPS says (a `draft`'s
-    rounded to 4 bits, DRAFT_HEADS says why) and a fused projection's parts of different formats chained
-    (MixedLinear); likewise an untied head, and the embedding (GroupEmbedding, a tied head made from the
+    """Replace every decoder linear whose checkpoint parts all come as GGUF groups (`groups(hf name)` ->
+    gguf_quant.Groups or None), or which comes so whole (Phi-3's files store q/k/v and gate/up fused), with
+    a `kind` layer built from them: 4-bit groups as FROM_GROUPS says, and under w4a8 a target's wider ones
+    as WIDER_GROUPS says (a `draft`'s rounded to 4 bits, DRAFT_HEADS says why) and a fused projection's
+    parts of different formats chained (MixedLinear); likewise an untied head, and the embedding (GroupEmbedding, a tied head made from the
     same groups). Returns the checkpoint names now provided (their float copies need not be loaded)."""
     def builder(bits: int) -> Optional[Callable[[Groups, Optional[nn.Parameter]], nn.Module]]:
         if bits == 4:
@@ -463,9 +463,10 @@ def install_gguf_groups(model: nn.Module, groups: Callable[[str], Optional[Group
 
     provided: set[str] = set()
     for prefix, parent, attr in list(decoder_linears(model)):
-        base = prefix.rsplit(".", 1)[0]
-        names = [f"{base}.{p}.weight" for p in PARTS.get(attr, (attr,))]
-        parts = [groups(n) for n in names]
+        base, fused = prefix.rsplit(".", 1)[0], groups(f"{prefix}.weight")     # fused in the file: Phi-3's
+        names = [f"{prefix}.weight"] if fused is not None else \
+            [f"{base}.{p}.weight" for p in PARTS.get(attr, (attr,))]
+        parts = [fused] if fused is not None else [groups(n) for n in names]
         if any(p is None or builder(p.bits) is None for p in parts):
             continue        # a part in another type (Q3_K, ...): quantized from floats (BESIDE_GROUPS)
         bias, formats = getattr(parent, attr).bias, {(p.bits, p.super is None) for p in parts}
