@@ -411,6 +411,26 @@ int spec_w4a8_linear(const struct spec_w4a8_layer *L, const void *x, int bf16, i
     return 0;
 }
 
+/* A mixture's chosen experts in one call: layers[g] (each a layer or chain of one K and N rows) on rows
+ * starts[g] .. starts[g + 1] - 1 of x [starts[groups], K], into the same rows of out [starts[groups], N].
+ * Each run is spec_w4a8_linear's, so a row's result is what a call on its layer alone gives. Returns its
+ * codes, and -2 when a layer's K or N differ from the others'. */
+int spec_w4a8_grouped(const struct spec_w4a8_layer *const *layers, const int64_t *starts, int groups,
+                      const void *x, int bf16, void *out, int64_t N, int threads) {
+    const size_t item = bf16 ? 2 : 4;
+    const int64_t K = layers[0]->K;
+    for (int g = 0; g < groups; g++) {
+        int64_t n = 0;
+        for (const struct spec_w4a8_layer *s = layers[g]; s; s = s->next) n += s->N;
+        if (n != N || layers[g]->K != K) return -2;
+        const int64_t m0 = starts[g];
+        const int rc = spec_w4a8_linear(layers[g], (const char *)x + m0 * K * item, bf16, starts[g + 1] - m0,
+                                        (char *)out + m0 * N * item, threads);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 /* q [N, K] (one byte a weight, or with `nibbles` two: byte k / 2's low nibble is weight k, its high one
  * weight k + 1, as GGUF's 4-bit groups are stored) -> the weight layout above, [blocks][G][bits][64],
  * rows past N zero. A group's vector j for row n is one 32-bit word (weights 4 j .. 4 j + 3, a byte

@@ -5,6 +5,7 @@ inside a compiled model. `kernel_name()` says which instructions it runs on this
 from __future__ import annotations
 
 import ctypes
+import itertools
 from typing import Optional
 
 import torch
@@ -26,6 +27,10 @@ def _declare(library: ctypes.CDLL) -> None:
     fn = library.spec_w4a8_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    grouped = library.spec_w4a8_grouped
+    grouped.restype = ctypes.c_int
+    grouped.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                        ctypes.c_int64, ctypes.c_int]
     library.spec_w4a8_kernel.restype = ctypes.c_char_p
     library.spec_w4a8_pack.restype = None
     library.spec_w4a8_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
@@ -160,6 +165,28 @@ def call(layer: Layer, x: torch.Tensor, out_features: Optional[int] = None) -> t
         raise RuntimeError("w4a8_linear: out of memory" if rc == -1 else "w4a8_linear: K is not a multiple "
                            "of 32 (of 256 for the K types), or differs within a chain")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], N)
+
+
+def grouped(layers: list[Layer], counts: list[int], x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Eager calls: x [sum(counts), K] (fp32 or bf16), its first counts[0] rows times layers[0], the next
+    counts[1] times layers[1], ... (layers or chains of one K and `out_features` rows: a mixture's chosen
+    experts) -> [sum(counts), out_features], each row as `call` with its layer alone gives it, in one call."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"w4a8 CPU kernel unavailable: {failure()}")
+    if x.dim() != 2 or x.shape[0] != sum(counts) or x.shape[1] != layers[0].K:
+        raise ValueError(f"w4a8_grouped: x {tuple(x.shape)} is not [{sum(counts)}, {layers[0].K}]")
+    x = x.contiguous()
+    out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
+    starts = (ctypes.c_int64 * (len(counts) + 1))(0, *itertools.accumulate(counts))
+    pointers = (ctypes.c_void_p * len(layers))(*map(ctypes.addressof, layers))
+    rc = lib.spec_w4a8_grouped(pointers, starts, len(layers), x.data_ptr(), x.dtype == torch.bfloat16,
+                               out.data_ptr(), out_features, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError("w4a8_grouped: out of memory" if rc == -1 else
+                           f"w4a8_grouped: a layer's K or rows differ from the others' or from {out_features}, or K "
+                           "is not a multiple of 32 (256 for the K types)")
+    return out
 
 
 @torch.library.custom_op("spec::w4a8_linear", mutates_args=())

@@ -1,6 +1,9 @@
 """Mixture-of-experts MLPs: a router picks each token's experts and their weights, the experts run on the
 tokens that chose them (grouped by expert, so only the chosen experts' weights are read), and their
 outputs are summed by those weights; a shared expert runs on every token where a family has one.
+`Experts.grouped` is where the chosen experts compute, on their rows sorted by expert: with w4a8 layers
+(a GGUF's quantized experts, on the CPU) each projection of all of them in one kernel call, otherwise
+each expert's own MLP.
 
 Routers: `SoftmaxRouter` (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE: softmax over the experts, the top k,
 renormalised where the family says so) and DeepSeek-V3's grouped sigmoid router (deepseek_v3.py), both
@@ -9,6 +12,7 @@ behind `MoE`.
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import torch
@@ -16,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.llama import MLP
+from engine.models.quant import W4A8_LAYERS
+from spec_kernels import cpu_elementwise, cpu_w4a8
 
 
 class Experts(nn.ModuleList):
@@ -26,12 +32,42 @@ class Experts(nn.ModuleList):
         super().__init__(self.expert(config, intermediate_size) for _ in range(count))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; weights and ids [T, top_k]: each token's experts and their weights."""
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():      # the experts this batch chose, in order, as transformers sums them
-            rows, slot = (ids == e).nonzero(as_tuple=True)
-            out.index_add_(0, rows, (self[e](x[rows]) * weights[rows, slot, None]).to(x.dtype))
-        return out
+        """x [T, H]; weights and ids [T, top_k]: each token's experts and their weights. The tokens' choices
+        sorted by expert, the experts run once each on their rows (`grouped`), and the outputs added to
+        their tokens in that order: per token by increasing expert, as transformers sums them."""
+        order = ids.flatten().argsort(stable=True)          # stable: an expert's rows in token order
+        counts = torch.bincount(ids.flatten(), minlength=len(self)).tolist()
+        tokens = order // ids.shape[1]
+        out = self.grouped(x[tokens], counts) * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype))
+
+    def grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows [sum(counts), H], expert e's `counts[e]` of them after those of the experts before it ->
+        each row through its expert's MLP. Only the chosen experts' weights are read; where they are w4a8
+        layers (a GGUF's quantized experts as the file stores them, engine/models/quant.py), each
+        projection of all of them in one kernel call (`_w4a8`)."""
+        chosen = [self[e] for e, n in enumerate(counts) if n]
+        sizes = [n for n in counts if n]
+        if self.expert is MLP and not torch.compiler.is_compiling() and all(
+                isinstance(p, W4A8_LAYERS) for m in chosen for p in (m.gate_up_proj, m.down_proj)):
+            return _w4a8(chosen, sizes, rows)
+        ends = itertools.accumulate(sizes)
+        return torch.cat([m(rows[end - n:end]) for m, n, end in zip(chosen, sizes, ends)])
+
+
+def _w4a8(chosen: list[MLP], sizes: list[int], rows: torch.Tensor) -> torch.Tensor:
+    """The chosen experts' MLPs on their runs of rows, as each expert's own forward computes them: its
+    gate/up and down projections one cpu_w4a8.grouped call each (every expert's layer on its rows), and
+    MLP.forward's activation between them on all rows at once."""
+    first = chosen[0]
+    gate_up = cpu_w4a8.grouped([m.gate_up_proj.c_layer() for m in chosen], sizes, rows,
+                               first.gate_up_proj.out_features)
+    if cpu_elementwise.usable(gate_up):
+        act = cpu_elementwise.silu_mul(gate_up)
+    else:
+        gate, up = gate_up.split(first.inter, dim=-1)
+        act = F.silu(gate) * up
+    return cpu_w4a8.grouped([m.down_proj.c_layer() for m in chosen], sizes, act, first.down_proj.out_features)
 
 
 class SoftmaxRouter(nn.Module):

@@ -216,6 +216,10 @@ class MixedLinear(nn.Module):
         return torch.cat([p.dequantized() for p in self.parts])
 
 
+# The layers that run in the w4a8 kernel, a struct each (`c_layer`): what cpu_w4a8.grouped takes.
+W4A8_LAYERS = (W4A8Linear, MixedLinear)
+
+
 def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float weights [N, K] -> (q + 128 [N, K] uint8, scale, min = -128 * scale): symmetric groups of 32,
     the scale rounded to fp16 (what the kernel keeps) before the weights are divided by it."""
