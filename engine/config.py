@@ -249,8 +249,8 @@ class ServerArgs:
 
     # --- Chat: templates, reasoning and tool calls ---------------------------------------------------
     chat_template: Optional[str] = field(default=None, metadata=opt(
-        "Chat template for /v1/chat/completions and /v1/responses: a Jinja file, or the name of a built-in "
-        "template. Default: the model's own.", group="Chat"))
+        "Chat template for /v1/chat/completions and /v1/responses: a Jinja file (as a tokenizer_config.json's "
+        "chat_template reads). Default: the model's own.", group="Chat"))
     reasoning_parser: Optional[str] = field(default=None, metadata=opt(
         "Split the model's thinking from its answer: message.reasoning_content and delta.reasoning_content "
         "(SGLang's parser names). A grammar (response_format, tools) then constrains the answer, not the "
@@ -327,6 +327,7 @@ class ServerArgs:
         self._check_overlap()
         self._check_speculative()
         self._check_parallelism()
+        self._check_chat_template()
 
     # ---------------------------------------------------------------------------------------------
     def _check_ranges(self) -> None:
@@ -424,6 +425,23 @@ class ServerArgs:
                 raise ConfigError("--enable-multi-layer-eagle drafts a chain, one token per MTP layer (as SGLang): "
                                   "set --speculative-eagle-topk 1 and --speculative-num-draft-tokens steps + 1, or "
                                   "drop the flag for a tree drafted by the first MTP layer.")
+
+    def _check_chat_template(self) -> None:
+        """A --chat-template that cannot be read or parsed is refused here, not at the first request."""
+        if self.chat_template is None:
+            return
+        import jinja2
+
+        try:
+            text = Path(self.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--chat-template {self.chat_template!r} cannot be read ({exc}); pass a Jinja chat "
+                              "template file.") from None
+        try:
+            jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ConfigError(f"--chat-template {self.chat_template!r} is not a valid Jinja template: {exc.message} "
+                              f"(line {exc.lineno}).") from None
 
     def _check_parallelism(self) -> None:
         if not 0 <= self.node_rank < self.nnodes:

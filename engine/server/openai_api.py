@@ -45,11 +45,9 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     calls = tool_calls.tool_format(serving.args.tool_call_parser, getattr(serving.tokenizer.hf, "chat_template", None))
     tools = _offered_tools(body, serving, calls)
     compact = serving.args.constrained_json_disable_any_whitespace
-    sampling = body.sampling_params(body.max_completion_tokens or body.max_tokens)
-    sampling |= _constraint(body, tools, calls, compact)
-    reasoning = serving.reasoning
-    if reasoning and reasoning.special_markers:
-        sampling["skip_special_tokens"] = False          # the parser reads the markers
+    sampling = body.sampling_params(body.max_completion_tokens or body.max_tokens) | _constraint(body, tools, calls,
+                                                                                                 compact)
+    sampling = serving.reasoning_sampling(sampling, template_kwargs)
     offered = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     prompt = await serving.chat_prompt(body.messages, offered, template_kwargs)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -57,7 +55,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     reqs = await serving.make_requests([prompt], sampling, default_max_tokens=serving.context_len, names=names,
                                        http=http, return_logprob=bool(body.logprobs),
                                        top_logprobs_num=body.top_logprobs or 0)
-    shown = reasoning if body.separate_reasoning else None
+    shown = serving.reasoning if body.separate_reasoning else None
     parser = functools.partial(ChoiceParser, shown, calls if tools else None, template_kwargs, body.stream_reasoning)
     shape = _Shape("chatcmpl", "chat.completion", serving, [len(prompt)], bool(body.logprobs), parser=parser,
                    reasoning=shown is not None)

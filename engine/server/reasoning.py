@@ -106,14 +106,18 @@ class HarmonyParser:
         return "".join(parts["reasoning"]), "".join(parts["answer"])
 
     def _outside(self, text: str, final: bool, answer: list) -> bool:
-        """Text before the next message's header is answer, as written. False where no header follows
-        (yet)."""
-        found = [i for i in (text.find(m, self.pos) for m in (START, CHANNEL)) if i >= 0]
-        end = min(found) if found else len(text if final else hold_back_stop_prefix(text, (START, CHANNEL)))
+        """Text between messages is answer, as written, but for the markers that end a message or the
+        turn (after a grammar's bare answer, say), which are dropped. False where nothing follows it yet."""
+        markers = (START, CHANNEL, *MESSAGE_ENDS)
+        found = [(i, m) for i, m in ((text.find(m, self.pos), m) for m in markers) if i >= 0]
+        if found:
+            end, marker = min(found)
+        else:
+            end, marker = len(text if final else hold_back_stop_prefix(text, markers)), None
         if end > self.pos:
             answer.append(text[self.pos:end])
-            self.pos = end
-        return bool(found)
+        self.pos = end + (len(marker) if marker in MESSAGE_ENDS else 0)
+        return marker is not None
 
 
 class ReasoningFormat:

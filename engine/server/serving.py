@@ -21,7 +21,7 @@ from engine.config import ServerArgs
 from engine.engine import Engine
 from engine.errors import RequestError
 from engine.core.request import Request
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import CONSTRAINTS, SamplingParams
 from engine.server.engine_loop import SHUTTING_DOWN, EngineLoop, Submission, finish_type
 from engine.server.errors import APIError, error_body
 from engine.server.metrics import ServerMetrics
@@ -84,6 +84,17 @@ class Serving:
                 turn["tool_call_id"] = m.tool_call_id
             turns.append(turn)
         return await self.tokenizer.encode_chat(turns, param="messages", tools=tools, template_kwargs=template_kwargs)
+
+    def reasoning_sampling(self, sampling: dict, template_kwargs: dict) -> dict:
+        """A chat request's sampling params as the reasoning parser needs them: its markers kept in the
+        text where they are special tokens, and a grammar (of any kind) starting where the reasoning ends,
+        so that it constrains the answer, not the thinking (in requests that think)."""
+        if self.reasoning is None:
+            return sampling
+        sampling = {**sampling, "skip_special_tokens": False} if self.reasoning.special_markers else sampling
+        if self.reasoning.thinks(template_kwargs) and any(sampling.get(k) is not None for k in CONSTRAINTS):
+            sampling = {**sampling, "reasoning_end": self.reasoning_end}
+        return sampling
 
     async def make_requests(self, prompts: Sequence[Sequence[int]], sampling: Union[dict, list[dict]], *,
                             default_max_tokens: int, names: Optional[dict[str, str]] = None,
