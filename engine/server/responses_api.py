@@ -14,7 +14,8 @@ from fastapi import APIRouter, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from engine.core.sampling_params import SamplingParams
-from engine.server import tool_calls
+from engine.server import tool_calls, usage
+from engine.server.choice_output import ChoiceParser, Delta
 from engine.server.engine_loop import Submission, finish_type
 from engine.server.errors import APIError, error_responses
 from engine.server.limits import JSONBodyRoute
@@ -39,11 +40,12 @@ async def create_response(body: ResponsesRequest, http: HTTPRequest):
     tools = body.chat_tools() if calls else None
     sampling = body.sampling_params() | _constraint(body, tools, calls,
                                                     serving.args.constrained_json_disable_any_whitespace)
+    sampling = serving.reasoning_sampling(sampling, {})
     offered = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     prompt = await serving.chat_prompt(body.messages(), offered)
     reqs = await serving.make_requests([prompt], sampling, default_max_tokens=serving.context_len, names=NAMES,
                                        http=http)
-    output, parser = _Output(body, serving, len(prompt)), _Split(calls)
+    output, parser = _Output(body, serving, len(prompt)), ChoiceParser(serving.reasoning, calls)
     sub = serving.submit(reqs)
     if body.stream:
         return serving.stream(sub, _events(sub, output, parser))
@@ -53,7 +55,7 @@ async def create_response(body: ResponsesRequest, http: HTTPRequest):
     err = engine_abort(outs[0])
     if err is not None:
         raise err
-    output.add(*parser.feed(outs[0]["text"], final=True))
+    output.add(parser.feed(outs[0]["text"], final=True))
     *_, done = output.finish(outs[0])
     return JSONResponse(done["response"])
 
@@ -104,33 +106,21 @@ def _constraint(body: ResponsesRequest, tools: Optional[list[Tool]], calls: Opti
     return {"json_schema": json.dumps(body.text.format.schema_)}
 
 
-class _Split:
-    """Growing output text as deltas of (reasoning, content, function calls): the tool-call format's
-    parser where the prompt offers tools, else all content."""
-
-    def __init__(self, calls: Optional[ToolFormat]):
-        self.tools = calls.parser() if calls else None
-        self.sent = 0
-
-    def feed(self, text: str, final: bool) -> tuple[str, str, list[dict]]:
-        if self.tools is not None:
-            return "", *self.tools.feed(text, final)
-        content, self.sent = text[self.sent:], len(text)
-        return "", content, []
-
-
 class _Output:
     """A response's output items, built from the parsed text as it grows, and each change told as the
-    stream events OpenAI sends for it, numbered in order. One kind of item is written at a time: new
-    text of another kind (reasoning, message) or a new call closes the item before it."""
+    stream events OpenAI sends for it, numbered in order. One item is written at a time: text of another
+    kind (reasoning, message) or a call closes the item before it."""
 
     def __init__(self, body: ResponsesRequest, serving: Serving, prompt_tokens: int):
-        self.prompt_tokens = prompt_tokens
+        self.prompt_tokens, self.reasoning_end = prompt_tokens, serving.reasoning_end
+        self.reasoned = False             # some output was reasoning
         self.items: list[dict] = []
         self.open: Optional[dict] = None
         self.seq = 0
+        # The response object in OpenAI's order of fields; status, output, usage and the like change as it goes.
         self.base = {
             "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
+            "status": "in_progress", "completed_at": None, "error": None, "incomplete_details": None,
             "model": serving.model_name, "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "temperature": SamplingParams.temperature if body.temperature is None else body.temperature,
             "top_p": SamplingParams.top_p if body.top_p is None else body.top_p,
@@ -139,7 +129,8 @@ class _Output:
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "text": {"format": _dumped(body.text and body.text.format) or {"type": "text"}},
             "reasoning": {"effort": None, "summary": None}, "truncation": "disabled", "store": False,
-            "background": False, "previous_response_id": None, "user": body.user, "metadata": body.metadata or {}}
+            "background": False, "previous_response_id": None, "user": body.user, "metadata": body.metadata or {},
+            "output": [], "usage": None}
 
     def event(self, kind: str, **fields) -> dict:
         event = {"type": kind, "sequence_number": self.seq, **fields}
@@ -147,17 +138,16 @@ class _Output:
         return event
 
     def response(self, status: str, **fields) -> dict:
-        return {**self.base, "status": status, "error": None, "incomplete_details": None, "output": self.items,
-                "usage": None, **fields}
+        return {**self.base, "status": status, "output": self.items, **fields}
 
     def start(self) -> list[dict]:
         begun = self.response("in_progress")
         return [self.event("response.created", response=begun), self.event("response.in_progress", response=begun)]
 
-    def add(self, reasoning: str, content: str, calls: list[dict]) -> list[dict]:
-        events = self._write("reasoning", reasoning) if reasoning else []
-        events += self._write("message", content) if content else []
-        for call in calls:
+    def add(self, delta: Delta) -> list[dict]:
+        events = self._write("reasoning", delta.reasoning) if delta.reasoning else []
+        events += self._write("message", delta.content) if delta.content else []
+        for call in delta.calls:
             events += self._call(call)
         return events
 
@@ -168,13 +158,29 @@ class _Output:
         status = "incomplete" if cut else "completed"
         events = [] if self.items or self.open else self._open("message")     # an empty answer is an empty message
         events += self._close(status)
-        meta = out["meta_info"]
-        usage = {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": meta["cached_tokens"]},
-                 "output_tokens": meta["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-                 "total_tokens": self.prompt_tokens + meta["completion_tokens"]}
-        done = self.response(status, usage=usage, incomplete_details={"reason": "max_output_tokens"} if cut else None,
+        done = self.response(status, usage=self._usage(out),
+                             incomplete_details={"reason": "max_output_tokens"} if cut else None,
                              **({} if cut else {"completed_at": int(time.time())}))
         return events + [self.event(f"response.{status}", response=done)]
+
+    def _usage(self, out: dict) -> dict:
+        """The Responses API's usage, with the server's speculation figures as on chat (usage.py)."""
+        meta = out["meta_info"]
+        counts = {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": meta["cached_tokens"]},
+                  "output_tokens": meta["completion_tokens"],
+                  "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(out["output_ids"])},
+                  "total_tokens": self.prompt_tokens + meta["completion_tokens"]}
+        speculated = usage.spec([out])
+        return counts | ({"spec": speculated} if speculated is not None else {})
+
+    def _reasoning_tokens(self, ids: list[int]) -> int:
+        """The output's tokens up to the end of its (first) reasoning, the marker included: all of them
+        where the reasoning never ended, none where there was none."""
+        if not self.reasoned:
+            return 0
+        end = self.reasoning_end
+        return next((i + len(end) for i in range(len(ids) - len(end) + 1) if tuple(ids[i:i + len(end)]) == end),
+                    len(ids))
 
     def failed(self, err: APIError) -> dict:
         return self.event("response.failed", response=self.response("failed", error={
@@ -185,25 +191,22 @@ class _Output:
         events = [] if self.open and self.open["type"] == kind else self._close("completed") + self._open(kind)
         item, where = self.open, self._where()
         item["content"][0]["text"] += text
+        self.reasoned = self.reasoned or kind == "reasoning"
         if kind == "message":
             return events + [self.event("response.output_text.delta", **where, delta=text, logprobs=[])]
         return events + [self.event("response.reasoning_text.delta", **where, delta=text)]
 
     def _call(self, call: dict) -> list[dict]:
-        """A tool call, whole or (a delta without an id) more of the open call's arguments."""
-        function = call.get("function", {})
-        events = []
-        if call.get("id"):
-            events += self._close("completed")
-            self.open = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
-                         "call_id": call["id"], "name": function["name"], "arguments": ""}
-            events.append(self.event("response.output_item.added", output_index=len(self.items),
-                                     item=copy.deepcopy(self.open)))
-        if function.get("arguments"):
-            self.open["arguments"] += function["arguments"]
-            events.append(self.event("response.function_call_arguments.delta", item_id=self.open["id"],
-                                     output_index=len(self.items), delta=function["arguments"]))
-        return events
+        """A tool call (the parsers give them whole): its item, its arguments in one delta, done."""
+        events = self._close("completed")
+        self.open = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
+                     "call_id": call["id"], "name": call["function"]["name"], "arguments": ""}
+        events.append(self.event("response.output_item.added", output_index=len(self.items),
+                                 item=copy.deepcopy(self.open)))
+        self.open["arguments"] = call["function"]["arguments"]
+        events.append(self.event("response.function_call_arguments.delta", item_id=self.open["id"],
+                                 output_index=len(self.items), delta=self.open["arguments"]))
+        return events + self._close("completed")
 
     def _open(self, kind: str) -> list[dict]:
         if kind == "message":
@@ -247,7 +250,7 @@ def _dumped(value) -> Optional[dict]:
     return value.model_dump(by_alias=True, exclude_none=True) if hasattr(value, "model_dump") else value
 
 
-async def _events(sub: Submission, output: _Output, parser: _Split) -> AsyncIterator[dict]:
+async def _events(sub: Submission, output: _Output, parser: ChoiceParser) -> AsyncIterator[dict]:
     for event in output.start():
         yield event
     async for _ in sub.updates():
@@ -256,7 +259,7 @@ async def _events(sub: Submission, output: _Output, parser: _Split) -> AsyncIter
         if err is not None:
             yield output.failed(err)
             return
-        for event in output.add(*parser.feed(out["text"], final=finish_type(out) is not None)):
+        for event in output.add(parser.feed(out["text"], final=finish_type(out) is not None)):
             yield event
     for event in output.finish(sub.latest[0]):
         yield event
