@@ -81,6 +81,21 @@ def first_token(client: httpx.Client) -> float:
     return time.perf_counter() - start
 
 
+def bodies_at_once(client: httpx.Client, port: int, body: bytes, statuses: list) -> tuple[list[float], float, float]:
+    """BODIES big bodies sent at once (their statuses appended to `statuses`), and innocent requests one
+    after another until they are answered: those requests' latencies, and when the round began and ended."""
+    senders = [threading.Thread(target=lambda: statuses.append(post_raw(port, body))) for _ in range(BODIES)]
+    start = time.perf_counter()
+    for t in senders:
+        t.start()
+    latencies = [first_token(client)]
+    while any(t.is_alive() for t in senders):
+        latencies.append(first_token(client))
+    for t in senders:
+        t.join()
+    return latencies, start, time.perf_counter()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=int, default=16, help="--max-request-body-mb of the server (the bodies' size)")
@@ -108,37 +123,28 @@ def main() -> int:
                 except httpx.TransportError:
                     pass
                 time.sleep(0.1)
-            statuses = [post_raw(a.port, body)]          # starts the body parser's children: not measured
+            statuses = []
+            bodies_at_once(client, a.port, body, statuses)      # starts the body parser's children: not measured
             poller = HealthPoller(url)
             poller.start()
             quiet_start = time.perf_counter()
             quiet = [first_token(client) for _ in range(a.quiet_requests)]
             quiet_end = time.perf_counter()
-            loaded, windows = [], []
-            for _ in range(a.rounds):
-                senders = [threading.Thread(target=lambda: statuses.append(post_raw(a.port, body)))
-                           for _ in range(BODIES)]
-                start = time.perf_counter()
-                for t in senders:
-                    t.start()
-                loaded.append(first_token(client))
-                while any(t.is_alive() for t in senders):
-                    loaded.append(first_token(client))
-                for t in senders:
-                    t.join()
-                windows.append((start, time.perf_counter()))
+            rounds = [bodies_at_once(client, a.port, body, statuses) for _ in range(a.rounds)]
             poller.stop.set()
             poller.join()
     finally:
         server.terminate()
         server.wait(60)
     health_quiet = poller.worst(quiet_start, quiet_end)
-    health_loaded = max(poller.worst(*w) for w in windows)
+    health_loaded = max(poller.worst(start, end) for _, start, end in rounds)
+    loaded = [latency for latencies, _, _ in rounds for latency in latencies]
     summary = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "body_mib": round(len(body) / 2 ** 20, 2), "bodies_at_once": BODIES, "rounds": a.rounds,
         "statuses": sorted(set(statuses)),
-        "health_worst_ms_quiet": round(health_quiet * 1000, 1), "health_worst_ms_loaded": round(health_loaded * 1000, 1),
+        "health_worst_ms_quiet": round(health_quiet * 1000, 1),
+        "health_worst_ms_loaded": round(health_loaded * 1000, 1),
         "first_token_ms_quiet": round(statistics.median(quiet) * 1000, 1),
         "first_token_ms_loaded": round(statistics.median(loaded) * 1000, 1),
         "first_token_worst_ms_loaded": round(max(loaded) * 1000, 1), "innocent_requests_loaded": len(loaded),

@@ -1,15 +1,14 @@
 """Large request bodies parsed and validated in child processes, so that the event loop keeps serving.
 
-json.loads and pydantic's validation hold the GIL for the whole call (a 14 MB body of token ids holds
-it for a few hundred milliseconds), so on a thread they would stall the event loop all the same. A
-child parses a body with the json module (FastAPI's parser: the same bodies pass, the same errors come
-out), validates it with the route's model, and refuses a token-id prompt that does not fit the context
-before anything comes back. A valid body comes back with its token-id prompts packed as integer arrays,
-unpacked one prompt at a time on a thread: the event loop gets its turns between prompts, where
-unpickling millions of Python ints in one call would hold it.
+json.loads and pydantic's validation hold the GIL for the whole call, so on a thread they would stall
+the event loop all the same. A child parses a body with the json module (FastAPI's parser: the same
+bodies pass, the same errors come out), validates it with the route's model, and refuses a token-id
+prompt that does not fit the context before anything comes back. A valid body comes back with its
+token-id prompts packed as integer arrays, unpacked one prompt at a time on a thread: the event loop gets
+its turns between prompts, where unpickling millions of Python ints in one call would hold it.
 
-The children import pydantic and the request models alone (no torch); they start with the first large
-body.
+The children start with the first large body and import the request models (engine/server/protocol.py
+and what it imports: keep torch and the engine out of it, or every child loads them too).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 
 from engine.server.protocol import CompletionRequest, GenerateRequest
 
-# Bodies up to this size are parsed on the event loop: about a millisecond, less than a child's round trip.
+# Bodies up to this size are parsed on the event loop: quicker than a child's round trip.
 SMALL_BYTES = 64 * 1024
 # Children, each parsing one body at a time: a few large bodies at once go side by side. They run at a
 # lower priority: on a machine short of cores, the event loop and the engine come first.
