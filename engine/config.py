@@ -27,6 +27,8 @@ DEFAULT_MODEL = "smollm2-135m"
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "MTP", "STANDALONE", "NGRAM")
 # Names accepted for compatibility with SGLang command lines, mapped to ours.
 SPECULATIVE_ALGORITHM_ALIASES = {"NEXTN": "MTP"}
+# SGLang's other names for qwen25's <tool_call> blocks: accepted by --tool-call-parser, not listed.
+TOOL_CALL_PARSER_ALIASES = ("qwen", "hermes")
 DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
 # (steps, topk, draft tokens) when none are given: SGLang's auto choice, for a GPU, where verifying 8
 # tokens costs about what 1 does.
@@ -258,7 +260,7 @@ class ServerArgs:
     tool_call_parser: Optional[str] = field(default=None, metadata=opt(
         "Format of the model's tool calls (SGLang's parser names; qwen and hermes are qwen25's <tool_call> "
         "blocks). Default: read from the chat template (<tool_call> blocks), else tools are refused.", group="Chat",
-        choices=("qwen25", "qwen", "hermes", "llama3", "mistral", "deepseekv3", "pythonic", "gpt-oss")))
+        choices=("qwen25", "llama3", "mistral", "deepseekv3", "pythonic", "gpt-oss")))
 
     # --- Compilation and CUDA graphs ----------------------------------------------------------------
     enable_torch_compile: bool = field(default=False, metadata=opt(
@@ -360,6 +362,8 @@ class ServerArgs:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}.")
         for name, value in dataclasses.asdict(self).items():
             choices = _FIELDS[name].metadata.get("choices")
+            if name == "tool_call_parser":
+                choices = (*choices, *TOOL_CALL_PARSER_ALIASES)
             if choices and value is not None and value not in choices and name != "speculative_algorithm":
                 raise ConfigError(f"--{_flag(name)} must be one of {', '.join(choices)}; got {value!r}.")
         if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:

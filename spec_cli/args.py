@@ -27,13 +27,14 @@ from typing import Annotated, Any, Callable, Iterable, Literal, Mapping, Optiona
 import typer
 from rich.markup import escape
 
-from engine.config import SPECULATIVE_ALGORITHM_ALIASES, ServerArgs
+from engine.config import SPECULATIVE_ALGORITHM_ALIASES, TOOL_CALL_PARSER_ALIASES, ServerArgs
 
 CONFIG_HELP = ("YAML or JSON file of options (keys as flags or snake_case, e.g. the file `spec tune --save` "
                "writes). Flags given on the command line override its values.")
 # Choices matched without regard to case; their extra accepted spellings (SGLang's NEXTN = MTP).
 CASE_INSENSITIVE = frozenset({"speculative_algorithm"})
-EXTRA_CHOICES: dict[str, tuple[str, ...]] = {"speculative_algorithm": tuple(SPECULATIVE_ALGORITHM_ALIASES)}
+EXTRA_CHOICES: dict[str, tuple[str, ...]] = {"speculative_algorithm": tuple(SPECULATIVE_ALGORITHM_ALIASES),
+                                              "tool_call_parser": TOOL_CALL_PARSER_ALIASES}
 
 FIELDS: tuple[dataclasses.Field, ...] = tuple(dataclasses.fields(ServerArgs))
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
@@ -74,8 +75,9 @@ def _option_parameter(f: dataclasses.Field) -> inspect.Parameter:
         help=escape(meta["help"]),
         rich_help_panel=meta.get("group") or None,
         case_sensitive=f.name not in CASE_INSENSITIVE,
-        # Typer would list case-insensitive choices in lower case.
-        metavar=("[" + "|".join(shown) + "]") if shown and f.name in CASE_INSENSITIVE else None,
+        # Typer would list case-insensitive choices in lower case, and the extra spellings too.
+        metavar=("[" + "|".join(shown) + "]") if shown and f.name in CASE_INSENSITIVE
+        else ("<" + "|".join(shown) + ">") if f.name in EXTRA_CHOICES else None,
         show_default=base is not bool,
     )
     default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]

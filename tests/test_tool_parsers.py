@@ -11,7 +11,7 @@ import openai
 import pytest
 import xgrammar as xgr
 
-from engine.config import ServerArgs
+from engine.config import TOOL_CALL_PARSER_ALIASES, ServerArgs
 from engine.server.protocol import NamedToolChoice, Tool
 from engine.server.tool_calls import FORMATS, CannotConstrain, tool_format
 from tests.serving import serve, server_args
@@ -115,9 +115,10 @@ def test_formats_by_name_and_from_the_template():
     assert tool_format(None, "{{ messages }}") is None and tool_format(None, None) is None
     assert tool_format("llama3", TOOLS_CHAT_TEMPLATE).name == "llama3"
     assert tool_format("qwen", None) is tool_format("hermes", None) is FORMATS["qwen25"]
-    # The flag's choices are exactly the formats' names.
+    # The flag's choices and the aliases it accepts are exactly the formats' names.
     flag = next(f for f in dataclasses.fields(ServerArgs) if f.name == "tool_call_parser")
-    assert set(flag.metadata["choices"]) == set(FORMATS)
+    assert set(flag.metadata["choices"]) | set(TOOL_CALL_PARSER_ALIASES) == set(FORMATS)
+    assert ServerArgs(tool_call_parser="hermes").tool_call_parser == "hermes"
 
 
 WEATHER = Tool.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": {
