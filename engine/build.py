@@ -111,6 +111,16 @@ def sliding_layout(args: ServerArgs, target: nn.Module) -> Optional[SlidingLayou
     return layout
 
 
+def window_ratio(args: ServerArgs) -> float:
+    """Window pool slots per slot: --swa-full-tokens-ratio, or 1 without chunked prefill, where a whole
+    prompt takes its window slots at once."""
+    if args.chunked_prefill_size == 0:
+        log.info("--chunked-prefill-size 0: the window pool holds as many tokens as the full pool, a whole prompt "
+                 "being prefilled at once (--swa-full-tokens-ratio has no effect)")
+        return 1.0
+    return args.swa_full_tokens_ratio
+
+
 def model_bytes(model: Optional[nn.Module]) -> int:
     if model is None:
         return 0
@@ -152,15 +162,14 @@ def build_engine_parts(args: ServerArgs, planners: Optional[PlannerFactory] = No
 
     layers, heads, head_dim = kv_layout(target)
     sliding = sliding_layout(args, target)
-    windowed = len(sliding.layers) if sliding else 0
+    windowed, ratio = (len(sliding.layers), window_ratio(args)) if sliding else (0, 1.0)
     full = KVPool.bytes_per_token(layers - windowed, heads, head_dim, dtype)
     if draft is not None:
         full += KVPool.bytes_per_token(*kv_layout(draft), dtype)
-    per_token = slot_bytes(full, KVPool.bytes_per_token(windowed, heads, head_dim, dtype), args.swa_full_tokens_ratio)
+    per_token = slot_bytes(full, KVPool.bytes_per_token(windowed, heads, head_dim, dtype), ratio)
     budget = kv_budget(args, device, model_bytes(target) + model_bytes(draft), per_token)
     slots = budget.slots
-    local = window_slots(slots, args.swa_full_tokens_ratio, sliding.window + args.prefill_chunk(device) + MIN_SLOTS
-                         ) if sliding else 0
+    local = window_slots(slots, ratio, sliding.window + args.prefill_chunk(device) + MIN_SLOTS) if sliding else 0
     max_running = args.max_running_requests or (256 if device == "cuda" else 32)
     kv = KVManager(slots, max_running + _SPARE_ROWS, max_positions + 1, device, radix=not args.disable_radix_cache,
                    budget=budget, sliding=sliding, window_slots=local)

@@ -124,7 +124,7 @@ class Engine:
                 "num_waiting_reqs": len(sched.waiting),
                 "kv_tokens_total": kv.capacity,
                 "kv_tokens_cached": cached,
-                "kv_tokens_used": kv.capacity - kv.allocator.available() - cached}
+                "kv_tokens_used": kv.usage()[0] - cached}
         if sched.spec_stats is not None:
             snap.update(sched.spec_stats.summary())
         return snap

@@ -103,6 +103,27 @@ def test_a_continued_conversation_reuses_its_prefix(model, prompts, algo, tmp_pa
     assert out["meta_info"]["cached_tokens"] == 0
 
 
+def test_a_conversation_of_short_turns_holds_one_window_of_its_prefix(model):
+    """Turns shorter than the window free nothing of their own; locking the conversation's cached prefix
+    frees its window slots before the last window instead (no other request holds them). The conversation
+    outgrows the window pool, each turn reuses all of it and gives transformers' tokens."""
+    from engine.core.sampling_params import SamplingParams
+
+    eng = tiny_engine(model, **SMALL)
+    params = SamplingParams.from_dict({**GREEDY, "max_new_tokens": 2})
+    ids = random_prompts(1, seed=9, lo=10, hi=11)[0]
+    while len(ids) < 2 * 102:
+        req = eng.make_request(ids, params)
+        eng.add_request(req)
+        for _ in range(20):             # a turn that could never be admitted would wait for ever
+            if not req.finished:
+                eng.step()
+        assert req.output_ids == reference_greedy(model, ids, 2)
+        assert req.cached_tokens == (len(ids) - 4 if len(ids) > 10 else 0)
+        assert eng.debug.kv.usage()[1] <= 2 * WINDOW
+        ids = ids + req.output_ids + [5, 6, 7]
+
+
 @pytest.mark.parametrize("algo", ALGOS)
 def test_every_algorithm_is_lossless(model, prompts, expected, algo, tmp_path):
     """Draft tokens under verification read their window; rejected ones are freed with their window slots."""
@@ -185,3 +206,22 @@ def test_the_radix_cache_counts_the_window_slots_its_nodes_hold():
     assert alloc.free_counts() == (64 - 30, 32 - 18) and cache.evictable_held() == 18
     cache.evict(0, 8)       # least recently used first: the 20-token prefix's two nodes (6 and 2 window slots)
     assert alloc.free_counts() == (64 - 10, 32 - 10) and (cache.evictable_size(), cache.evictable_held()) == (10, 10)
+
+
+def test_a_prefix_locked_alone_frees_its_window_slots_before_the_last_window():
+    """Locking frees the window slots a request will not read (before its prefix's last window - 1 tokens)
+    on nodes no other request holds: a shorter prefix another request runs on keeps its own."""
+    alloc = WindowedSlotAllocator(64, 32, WINDOW, "cpu")
+    cache = RadixCache(alloc)
+    a = alloc.alloc(30)
+    cache.insert(list(range(30)), a)
+    _, shorter = cache.match_prefix(list(range(10)))
+    cache.inc_lock_ref(shorter)
+    _, longer = cache.match_prefix(list(range(30)))
+    cache.inc_lock_ref(longer)
+    cache.free_window(longer, WINDOW - 1)
+    assert [alloc.count_held(a[i:i + 1]) for i in range(30)] == [1] * 10 + [0] * 13 + [1] * 7
+    assert alloc.free_counts() == (64 - 30, 32 - 17)
+    cache.dec_lock_ref(longer)
+    cache.dec_lock_ref(shorter)
+    assert (cache.evictable_size(), cache.evictable_held()) == (30, 17)

@@ -17,9 +17,10 @@ prompt's prefill starts at the same position in both and their outputs stay iden
 With a window pool (a target with sliding-window layers: engine/memory/window_pool.py) each committed
 step also frees the window slots of the request's own positions that no query can reach any more: the
 next query of a request sits at its committed length or later, so positions more than `window - 1`
-before it are read by global layers only. Positions of its cached prefix are the radix cache's and stay
-as they are. A cached prefix is reused only as far as the window before its end is still held, since
-the request's first queries read it in the windowed layers (SGLang's SWA radix cache matches alike).
+before it are read by global layers only. Positions of its cached prefix are the radix cache's: those
+before its last window are freed when it is locked, on nodes no other request holds. A cached prefix is
+reused only as far as the window before its end is still held, since the request's first queries read
+it in the windowed layers (SGLang's SWA radix cache matches alike).
 """
 
 from __future__ import annotations
@@ -117,9 +118,13 @@ class KVManager:
         return slots, node
 
     def lock(self, node) -> None:
-        """Pin a matched prefix (it stops counting as available)."""
+        """Pin a matched prefix (it stops counting as available). With a window pool, the prefix's window
+        slots before its last window are freed where no other request holds them: the request reads no
+        further back, so a conversation's next turn holds one window of it, not all its turns'."""
         if self.radix:
             self.radix.inc_lock_ref(node)
+            if self.sliding:
+                self.radix.free_window(node, self.sliding.window - 1)
 
     def unlock(self, node) -> None:
         if self.radix:

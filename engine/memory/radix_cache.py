@@ -7,8 +7,9 @@ allocator. A lock on a node pins the node and all its ancestors, since a running
 whole prefix. Unlocked leaves are evicted least recently used first.
 
 With a window pool (engine/memory/window_pool.py) some of a node's tokens may have had their window slot
-freed already (a request frees them as its window moves on): each node counts the tokens still holding
-one, so that the cache knows how many window slots evicting would give back.
+freed already (a request frees them as its window moves on, and a request that locks a prefix alone frees
+those before its last window): each node counts the tokens still holding one, so that the cache knows how
+many window slots evicting would give back.
 """
 
 from __future__ import annotations
@@ -128,6 +129,25 @@ class RadixCache:
                 self._evictable += len(node.key)
                 self._evictable_held += node.held
             node = node.parent
+
+    def free_window(self, node: TreeNode, keep: int) -> None:
+        """Free the window slots of the path to `node` but its last `keep` tokens', on the nodes no other
+        lock than the caller's holds (engine/memory/window_pool.py): its new queries read no further back,
+        and no one else reads them. The nodes keep their full slots."""
+        path, length = [], 0
+        while node is not self.root:
+            path.append(node)
+            length += len(node.key)
+            node = node.parent
+        start = 0
+        for node in reversed(path):
+            cut = min(len(node.key), length - keep - start)
+            if cut <= 0:
+                return
+            if node.lock_ref == 1 and node.held:
+                self.allocator.free_window(node.value[:cut])
+                node.held = self.allocator.count_held(node.value)   # locked: not among the evictable
+            start += len(node.key)
 
     def evict(self, num_tokens: int, num_held: int = 0) -> int:
         """Free at least num_tokens slots, and num_held window slots, if that many are evictable, LRU
