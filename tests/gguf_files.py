@@ -46,13 +46,14 @@ GGUF_ARCHS = {"llama": "llama", "mixtral": "llama", "gemma2": "gemma2", "gemma3_
               "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 
 
-def write_tiny_gguf(path: Path, model, tokenizer, linear_types: dict[str, str] | None = None) -> None:
+def write_tiny_gguf(path: Path, model, tokenizer, linear_types: dict[str, str] | None = None,
+                    stacked: bool = True) -> None:
     """Write `model` (of a type in GGUF_ARCHS) as llama.cpp's convert_hf_to_gguf.py would: F32 tensors (or,
     for the decoder's linears named in linear_types, e.g. {"q_proj": "Q4_1"}, that GGUF quantization;
     "gate_proj", "up_proj" and "down_proj" name the experts' too), a Llama's Q/K rows permuted, Gemma's
-    norm weights stored as 1 + w, experts stacked into one tensor per projection, the family's header
-    (head size, windows, soft-caps, RoPE scaling, expert counts and sizes) and Phi-3's LongRoPE factors as
-    tensors."""
+    norm weights stored as 1 + w, experts stacked into one tensor per projection (not `stacked`: a tensor
+    per expert, as Mixtral files were written before April 2024), the family's header (head size,
+    windows, soft-caps, RoPE scaling, expert counts and sizes) and Phi-3's LongRoPE factors as tensors."""
     import gguf
 
     config = model.config
@@ -63,7 +64,7 @@ def write_tiny_gguf(path: Path, model, tokenizer, linear_types: dict[str, str] |
     _write_vocab(writer, tokenizer, config.pad_token_id)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     for hf_name, tensor in model.named_parameters():  # a tied lm_head once, as llama.cpp writes it
-        for name, data, part in _gguf_tensors(hf_name, tensor.detach().float().numpy(), config, arch, names):
+        for name, data, part in _gguf_tensors(hf_name, tensor.detach().float().numpy(), config, arch, names, stacked):
             kind = (linear_types or {}).get(part)
             if kind:
                 quant = gguf.GGMLQuantizationType[kind]
@@ -140,15 +141,21 @@ def _write_vocab(writer, tokenizer, pad: int | None) -> None:
     writer.add_chat_template(CHAT_TEMPLATE)
 
 
-def _gguf_tensors(hf_name: str, data: np.ndarray, config, arch: str, names):
+def _gguf_tensors(hf_name: str, data: np.ndarray, config, arch: str, names, stacked: bool):
     """(GGUF name, data, the linear's part name or None) of one transformers parameter, as llama.cpp
-    writes it: transformers' experts [E, 2I, H] and [E, H, I] as ffn_{gate,up,down}_exps [E, rows, K]."""
+    writes it: transformers' experts [E, 2I, H] and [E, H, I] as ffn_{gate,up,down}_exps [E, rows, K], or
+    not `stacked` ffn_{gate,up,down}.{e} [rows, K]."""
     base, suffix = hf_name.rsplit(".", 1) if hf_name.endswith((".weight", ".bias")) else (hf_name, "weight")
     part = base.split(".")[-1]
-    if base.endswith("experts.gate_up_proj"):
+    if base.endswith(("experts.gate_up_proj", "experts.down_proj")):
         block = names.get_name(base.replace("gate_up_proj", "down_proj")).rsplit(".", 1)[0]
-        for which, half in zip(("gate", "up"), np.split(data, 2, axis=1)):
-            yield f"{block}.ffn_{which}_exps.weight", np.ascontiguousarray(half), f"{which}_proj"
+        kinds = ("gate", "up") if part == "gate_up_proj" else ("down",)
+        for which, weights in zip(kinds, np.split(data, len(kinds), axis=1)):
+            if stacked:
+                yield f"{block}.ffn_{which}_exps.weight", np.ascontiguousarray(weights), f"{which}_proj"
+            else:
+                yield from ((f"{block}.ffn_{which}.{e}.weight", np.ascontiguousarray(w), f"{which}_proj")
+                            for e, w in enumerate(weights))
         return
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(part)
     if arch in ("gemma2", "gemma3") and base.endswith("norm"):

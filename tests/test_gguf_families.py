@@ -51,11 +51,12 @@ def family(request, tmp_path_factory):
                                      **FAMILIES[request.param]), tokenizer
 
 
-def written(family, path, linear_types=None):
+def written(family, path, linear_types=None, stacked=True):
     from transformers import AutoModelForCausalLM
 
     _, source, tokenizer = family
-    write_tiny_gguf(path, AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), tokenizer, linear_types)
+    write_tiny_gguf(path, AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), tokenizer, linear_types,
+                    stacked)
     return path
 
 
@@ -102,6 +103,22 @@ def test_quantized_gguf_keeps_its_blocks_and_serves_them(family, tmp_path, monke
         assert torch.equal(layers.gate_up_proj.dequantized(), torch.cat([weights[n] for n in gate_up]))
         assert torch.equal(layers.down_proj.dequantized(), weights[f"{mlp}.down_proj.weight"])
         assert len(eng.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]) == GREEDY["max_new_tokens"]
+
+
+def test_an_older_mixtral_file_with_a_tensor_per_expert_serves_too(tmp_path, monkeypatch):
+    """Mixtral files written before April 2024 hold ffn_gate.{e}, ... : served as the checkpoint, each
+    expert's Q4_0 blocks kept as they are."""
+    monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
+    tokenizer = gguf_tokenizer()
+    source = make_model(tmp_path / "hf", "mixtral", layers=2, vocab=len(tokenizer), **FAMILIES["mixtral"])
+    family = ("mixtral", source, tokenizer)
+    path = written(family, tmp_path / "tiny-mixtral-old.gguf", stacked=False)
+    prompts = random_prompts(2, seed=5, lo=10, hi=40)
+    with Engine(planner=untimed, model_path=str(path), dtype="float32", max_total_tokens=2048) as eng:
+        outs = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)]
+    assert outs == [reference_generate(source, p, GREEDY["max_new_tokens"]) for p in prompts]
+    quantized = written(family, tmp_path / "tiny-mixtral-old.Q4_0.gguf", {"gate_proj": "Q4_0"}, stacked=False)
+    assert gguf_groups(convert_gguf(quantized))("model.layers.1.mlp.experts.3.gate_proj.weight").bits == 4
 
 
 def test_a_gguf_of_another_architecture_is_refused_by_it(tmp_path, monkeypatch):

@@ -163,7 +163,7 @@ def _write_tensors(path: Path, config, skeleton, dtype: torch.dtype, out: Path) 
     out/QUANT_FILE: {hf name}.q4 (packed nibbles), .q5, .q6 or .q8, and .q{4,5,6,8}_scale, _min and
     _super where they have them; iter_weights dequantizes them when a float copy is asked for (a float
     copy on disk took 4 bytes a weight: 7.1 GB for a 1.5B model). The rest goes to out/model.safetensors,
-    dequantized to `dtype`. Stacked experts go one expert at a time (gguf_families.expert_part).
+    dequantized to `dtype`. Stacked experts go one expert at a time (gguf_families.experts).
     Returns the names written."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
@@ -180,7 +180,7 @@ def _write_tensors(path: Path, config, skeleton, dtype: torch.dtype, out: Path) 
     context = {"tensor_key_mapping": names, "parsed_parameters": {"config": fields, "tensors": {}}}
     # Room for every name: an expert's (model.layers.{i}.mlp.experts.{e}.gate_proj.weight) is a layer's plus this.
     longest = max(map(len, names.values()), default=0) + len(".experts.65535.gate_proj.weight.q8_super")
-    count = sum(t.data.shape[0] if gguf_families.expert_part(t.name) else 1 for t in reader.tensors)
+    count = sum(len(gguf_families.experts(t.name, t.data) or [t]) for t in reader.tensors)
     written = set()
 
     def add(hf: str, groups: gguf_quant.Groups) -> None:
@@ -193,9 +193,8 @@ def _write_tensors(path: Path, config, skeleton, dtype: torch.dtype, out: Path) 
             SafetensorsWriter(out / QUANT_FILE, 4 * count, longest) as stored:
         for tensor in progress(reader.tensors, f"converting {path.name}"):
             kind, data = tensor.tensor_type.name, tensor.data
-            if expert := gguf_families.expert_part(tensor.name):
-                for e, part in enumerate(data):         # [rows, bytes or columns] each
-                    hf = expert.format(e=e)
+            if (experts := gguf_families.experts(tensor.name, data)) is not None:
+                for hf, part in experts:                # [rows, bytes or columns] each
                     if gguf_quant.decodable(kind):
                         add(hf, gguf_quant.decode(part, kind, part.shape[0]))
                     else:

@@ -6,10 +6,11 @@ which files the engine serves at all (`check_served`: the others are refused by 
   which it does not read at all;
 - `settle`: a "llama" file with experts is Mixtral; Phi-3's window (0 for none) and LongRoPE, whose
   factors the file stores as tensors; Gemma 2/3's attention scale, soft-caps and global RoPE scaling;
-- `expert_part` and `checkpoint_names`: a layer's experts, which the file stacks into one tensor per
-  projection (ffn_gate_exps, ffn_up_exps, ffn_down_exps: [experts, rows, columns]), are written one
-  tensor per expert, as checkpoints name them (model.layers.{i}.mlp.experts.{e}.gate_proj.weight), so
-  that each expert's quantized blocks are kept as a linear of their own.
+- `experts` and `checkpoint_names`: a layer's experts, which the file stacks into one tensor per
+  projection (ffn_gate_exps, ffn_up_exps, ffn_down_exps: [experts, rows, columns]; Mixtral files written
+  before April 2024 hold one tensor per expert, ffn_gate.{e}), are written one tensor per expert, as
+  checkpoints name them (model.layers.{i}.mlp.experts.{e}.gate_proj.weight), so that each expert's
+  quantized blocks are kept as a linear of their own.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import re
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
 
 # Header keys (after "{arch}.") -> config fields, added to what transformers' reader maps, per model type.
 _MORE_KEYS = {
@@ -28,7 +28,8 @@ _MORE_KEYS = {
 # Families the reader lacks, read as the family whose keys they share.
 _LIKE = {"olmoe": "qwen2_moe"}          # expert_count and expert_used_count as num_experts, num_experts_per_tok
 
-_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_STACKED = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_SINGLE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")     # Mixtral files before April 2024
 
 # The architectures (general.architecture) of the GGUF files the engine serves, and what they hold.
 SERVED = {"llama": "Llama, Mistral; with experts Mixtral", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3",
@@ -126,11 +127,16 @@ def _gemma(arch: str, config, value) -> None:
         config.rope_parameters["full_attention"].update(rope_type="linear", factor=value("rope.scaling.factor"))
 
 
-def expert_part(gguf_name: str) -> Optional[str]:
-    """For a layer's stacked experts tensor, the name of expert {e}'s part ("model.layers.3.mlp.experts.{e}
-    .up_proj.weight", to format with e); None for any other tensor."""
-    found = _EXPERTS.fullmatch(gguf_name)
-    return found and f"model.layers.{found[1]}.mlp.experts.{{e}}.{found[2]}_proj.weight"
+def experts(gguf_name: str, data):
+    """A layer's experts' tensors [(name, data)], named as checkpoints name them: a stacked tensor's
+    ([experts, rows, ...]) one per expert, an older Mixtral file's tensor of one expert as it is; None for
+    any other tensor."""
+    if found := _STACKED.fullmatch(gguf_name):
+        return [(f"model.layers.{found[1]}.mlp.experts.{e}.{found[2]}_proj.weight", part)
+                for e, part in enumerate(data)]
+    if found := _SINGLE.fullmatch(gguf_name):
+        return [(f"model.layers.{found[1]}.mlp.experts.{found[3]}.{found[2]}_proj.weight", data)]
+    return None
 
 
 def checkpoint_names(model) -> set[str]:
