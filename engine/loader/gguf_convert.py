@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError
+from engine.loader import gguf_families
 from engine.progress import progress
 
 logger = logging.getLogger(__name__)
@@ -55,9 +56,11 @@ def convert_gguf(gguf_path: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
-        logger.info("Converting %s to %s (once; later runs reuse it)", path, out)
         with _parse_once():
-            _convert_into(path, _stored_dtype(path), tmp)
+            dtype = _stored_dtype(path)
+            gguf_families.check_served(path)
+            logger.info("Converting %s to %s (once; later runs reuse it)", path, out)
+            _convert_into(path, dtype, tmp)
         try:
             os.rename(tmp, out)
         except OSError:
@@ -124,10 +127,7 @@ def _stored_dtype(path: Path) -> torch.dtype:
 def _convert_into(path: Path, dtype: torch.dtype, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from engine.loader import gguf_families
-
     folder, name = str(path.parent), path.name
-    gguf_families.check_served(path)
     try:
         with gguf_families.readable():
             config = gguf_families.settle(path, AutoConfig.from_pretrained(folder, gguf_file=name))
@@ -168,7 +168,7 @@ def _write_tensors(path: Path, config, skeleton, dtype: torch.dtype, out: Path) 
     import gguf
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    from engine.loader import gguf_families, gguf_quant
+    from engine.loader import gguf_quant
     from engine.loader.gguf_quant import QUANT_FILE
     from engine.loader.safetensors_io import SafetensorsWriter
 
