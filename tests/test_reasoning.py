@@ -161,10 +161,12 @@ def test_stream_reasoning_false_holds_each_stretch_whole():
     assert (cut.feed("ab").reasoning, cut.feed("abc", final=True).reasoning) == ("", "abc")
 
 
-def test_server_names_are_the_parsers():
-    from engine.config import _FIELDS
-
-    assert set(_FIELDS["reasoning_parser"].metadata["choices"]) == set(FORMATS)
+def test_the_flag_takes_exactly_the_parsers_names():
+    for name in FORMATS:
+        ServerArgs(model_path="x", reasoning_parser=name)
+    with pytest.raises(ConfigError, match="--reasoning-parser must be one of") as refused:
+        ServerArgs(model_path="x", reasoning_parser="kimi")
+    assert set(str(refused.value).split("one of ")[1].split(";")[0].split(", ")) == set(FORMATS)
 
 
 # ---------------------------------------------------------------------------------------- every algorithm
@@ -240,13 +242,18 @@ def test_enable_thinking_false_reaches_the_template_and_turns_the_parser_off(qwe
                                             "reasoning_content": None}
 
 
-def test_chat_template_kwargs_are_checked(qwen3):
+def test_chat_template_kwargs_are_checked_as_the_schema_says(qwen3):
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
     with qwen3.http() as h:
-        for kwargs, param in (({"enable_thinking": "no"}, "chat_template_kwargs"),
-                              ({"add_generation_prompt": False}, "chat_template_kwargs"),
-                              ({"tools": []}, "chat_template_kwargs"), ([1], "chat_template_kwargs")):
-            r = h.post("/v1/chat/completions", json={"messages": MESSAGES, "chat_template_kwargs": kwargs})
-            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        schema = {"$ref": "#/components/schemas/ChatCompletionRequest", **h.get("/openapi.json").json()}
+        for kwargs in ({"enable_thinking": "no"}, {"add_generation_prompt": False}, {"tools": []}, [1]):
+            body = {"messages": MESSAGES, "chat_template_kwargs": kwargs}
+            r = h.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+            assert not jsonschema_rs.Draft202012Validator(schema).is_valid(body)
+        body = {"messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": True, "x": [1]}}
+        assert h.post("/v1/chat/completions", json=body).status_code == 200
+        assert jsonschema_rs.Draft202012Validator(schema).is_valid(body)
 
 
 def test_the_openai_client_reads_reasoning_content(r1):

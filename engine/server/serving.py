@@ -46,6 +46,10 @@ class Serving:
         # Where a grammar starts in the output of a request that thinks (SamplingParams.reasoning_end).
         self.reasoning_end = tuple(self.tokenizer.hf.encode(self.reasoning.end, add_special_tokens=False)) \
             if self.reasoning else None
+        if self.reasoning_end and len(self.reasoning_end) > 1:
+            log.warning("--reasoning-parser %s: %r is %d tokens for this tokenizer, not one as in the models it is "
+                        "for; a grammar starts only where the output spells it in exactly these tokens",
+                        self.reasoning.name, self.reasoning.end, len(self.reasoning_end))
         self.api_key = args.api_key or os.environ.get("SPEC_API_KEY") or None
         self.loop = EngineLoop(engine)
         tree = args.speculative_tree
