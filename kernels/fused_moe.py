@@ -69,7 +69,8 @@ def align_by_expert(ids: torch.Tensor, experts: int, block_m: int = BLOCK_M) -> 
     flat = ids.reshape(-1)
     n = flat.numel()
     blocks = -(-(n + experts * (block_m - 1)) // block_m)
-    counts = torch.bincount(flat, minlength=experts)
+    # Not torch.bincount: on CUDA it reads the largest id back to the host, which a graph cannot capture.
+    counts = torch.zeros(experts, dtype=torch.int64, device=ids.device).index_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     run_end = padded.cumsum(0)
     order = torch.argsort(flat, stable=True)

@@ -73,3 +73,22 @@ def test_reference_is_the_engines_experts():
     with torch.no_grad():
         torch.testing.assert_close(experts(x, weights, ids), fused.fused_moe_reference(x, w_gate_up, w_down, weights, ids),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_stacked_experts_run_in_the_kernel_on_their_own_weights():
+    """Experts.stack (done at load on CUDA): the experts' weights become views of the stacked tensors
+    the kernel reads, and the layer's output is what the experts computed before stacking."""
+    from types import SimpleNamespace
+
+    from engine.models.moe import Experts
+
+    experts = Experts(SimpleNamespace(hidden_size=H, intermediate_size=INTER), E, INTER)
+    weights, ids = routing(13, seed=9)
+    x = torch.randn(13, H, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        before = experts(x, weights, ids)
+        assert experts.stack()
+        gate_up, down = experts.stacked
+        assert experts[3].gate_up_proj.weight.data_ptr() == gate_up[3].data_ptr()
+        assert experts[5].down_proj.weight.data_ptr() == down[5].data_ptr()
+        torch.testing.assert_close(experts(x, weights, ids), before, rtol=1e-4, atol=1e-5)

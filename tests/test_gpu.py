@@ -5,7 +5,8 @@ TRITON_INTERPRET=0), deselected from the default run and skipped without CUDA.
   (torch attention) and with Triton attention + CUDA graphs; fp32, where equality holds on a GPU.
 - CUDA graphs: a replayed decode or verify forward gives the bits of the same forward run eagerly, and
   reads the inputs it is replayed with.
-- The Triton paged-attention kernel, compiled, against its torch reference.
+- The Triton paged-attention and mixture-of-experts kernels, compiled, against their torch references; a
+  mixture's experts in the kernel inside the graphs, speculation lossless on it.
 - One host synchronisation per decode step (torch.cuda's sync debug mode counts them).
 - FP8 layers (--quantization fp8, a block FP8 checkpoint): lossless relative to the FP8 target, in torch's
   FP8 GEMM where the card and torch's CUDA have it.
@@ -86,6 +87,44 @@ def test_greedy_identical_on_cuda(algo, shape, mode, target, plain, tmp_path):
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
     if mode == "triton-graphs":
         assert eng.debug.target.graphs is not None and eng.debug.target.graphs._graphs, "no CUDA graph was captured"
+
+
+@pytest.fixture(scope="module")
+def moe_target(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("moe"), "qwen3_moe", layers=2, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, seed=3)
+
+
+@pytest.mark.parametrize("algo", ["NGRAM", "EAGLE3"])
+def test_mixture_in_the_triton_kernel_is_lossless_on_cuda(algo, moe_target, tmp_path):
+    """A mixture's experts on CUDA are stacked at load and run in kernels/fused_moe.py inside the captured
+    graphs; speculation gives plain decoding's tokens on that target."""
+    from engine.models.moe import Experts
+
+    flags = MODES["triton-graphs"]
+    plain_eng = cuda_engine(moe_target, **flags)
+    experts = [m for m in plain_eng.debug.target.model.modules() if isinstance(m, Experts)]
+    assert experts and all(m.stacked is not None for m in experts)
+    expected = greedy(plain_eng, prompts())
+    kw = {**flags, **draft_setup(algo, moe_target, tmp_path)}
+    eng = cuda_engine(kw.pop("model_path", moe_target), algo, **kw)
+    assert greedy(eng, prompts()) == expected
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_fused_moe_kernel_matches_reference(tokens):
+    """The Triton mixture kernel, compiled, at Qwen3-30B-A3B's layer shape in bf16, against its reference."""
+    from spec_kernels import fused_moe
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    e, k, h, inter = 128, 8, 2048, 768
+    w_gate_up = (torch.randn(e, 2 * inter, h, generator=g, device="cuda") / h ** 0.5).bfloat16()
+    w_down = (torch.randn(e, h, inter, generator=g, device="cuda") / inter ** 0.5).bfloat16()
+    x = torch.randn(tokens, h, generator=g, device="cuda").bfloat16()
+    weights, ids = torch.randn(tokens, e, generator=g, device="cuda").softmax(-1).topk(k, dim=-1)
+    got = fused_moe.fused_moe(x, w_gate_up, w_down, weights.bfloat16(), ids)
+    torch.testing.assert_close(got, fused_moe.fused_moe_reference(x, w_gate_up, w_down, weights.bfloat16(), ids),
+                               rtol=2e-2, atol=2e-2)
 
 
 # ---------------------------------------------------------------------------------------- CUDA graphs

@@ -15,6 +15,7 @@ from engine.core.forward_batch import ForwardBatch
 from engine.loader.fp8_quant import checkpoint_of
 from engine.memory.kv_pool import KVPool
 from engine.models import model_class
+from engine.models.moe import stack_experts
 from engine.models.prepack import can_prepack, native_bf16
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,8 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
         log.info("%s: FP8 layers (%s): %s", model_dir, fp8.describe() if fp8 else "rounded per output channel",
                  fp8_paths(model))
     model.eval()
+    if str(device).startswith("cuda"):
+        stack_experts(model)
     model.weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     if prepack and can_prepack(device, dtype):
         import psutil

@@ -3,7 +3,8 @@ tokens that chose them (grouped by expert, so only the chosen experts' weights a
 outputs are summed by those weights; a shared expert runs on every token where a family has one.
 `Experts.grouped` is where the chosen experts compute, on their rows sorted by expert: with w4a8 layers
 (a GGUF's quantized experts, on the CPU) each projection of all of them in one kernel call, otherwise
-each expert's own MLP.
+each expert's own MLP. On CUDA, float experts are stacked at load (`Experts.stack`) and run in
+kernels/fused_moe.py's Triton grouped GEMMs instead.
 
 Routers: `SoftmaxRouter` (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE: softmax over the experts, the top k,
 renormalised where the family says so) and DeepSeek-V3's grouped sigmoid router (deepseek_v3.py), both
@@ -21,7 +22,7 @@ from torch import nn
 
 from engine.models.llama import MLP
 from engine.models.quant import W4A8_LAYERS
-from spec_kernels import cpu_elementwise, cpu_w4a8
+from spec_kernels import cpu_elementwise, cpu_w4a8, fused_moe
 
 
 class Experts(nn.ModuleList):
@@ -30,11 +31,32 @@ class Experts(nn.ModuleList):
 
     def __init__(self, config, count: int, intermediate_size: int):
         super().__init__(self.expert(config, intermediate_size) for _ in range(count))
+        self.stacked: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def stack(self) -> bool:
+        """Lay the experts' gate/up and down weights out as two stacked tensors [E, 2I, H] and [E, H, I],
+        each expert's own weights becoming views of them (no second copy), for kernels/fused_moe.py's
+        Triton kernel: on CUDA it runs every chosen expert in two launches with no host synchronisation,
+        so a step with experts can be captured in a CUDA graph. Only plain float experts (False otherwise:
+        quantized layers, GPT-OSS's experts)."""
+        if self.expert is not MLP or not fused_moe.available() or not all(
+                type(p) is nn.Linear and p.bias is None for m in self for p in (m.gate_up_proj, m.down_proj)):
+            return False
+        with torch.no_grad():
+            gate_up = torch.stack([m.gate_up_proj.weight for m in self])
+            down = torch.stack([m.down_proj.weight for m in self])
+        for e, m in enumerate(self):
+            m.gate_up_proj.weight.data, m.down_proj.weight.data = gate_up[e], down[e]
+        self.stacked = (gate_up, down)
+        return True
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; weights and ids [T, top_k]: each token's experts and their weights. The tokens' choices
-        sorted by expert, the experts run once each on their rows (`grouped`), and the outputs added to
-        their tokens in that order: per token by increasing expert, as transformers sums them."""
+        """x [T, H]; weights and ids [T, top_k]: each token's experts and their weights. Stacked experts
+        run in the Triton kernel. Otherwise the tokens' choices are sorted by expert, the experts run once
+        each on their rows (`grouped`), and the outputs are added to their tokens in that order: per token
+        by increasing expert, as transformers sums them."""
+        if self.stacked is not None:
+            return fused_moe.fused_moe(x, *self.stacked, weights, ids)
         order = ids.flatten().argsort(stable=True)          # stable: an expert's rows in token order
         counts = torch.bincount(ids.flatten(), minlength=len(self)).tolist()
         tokens = order // ids.shape[1]
@@ -107,3 +129,10 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
+
+
+def stack_experts(model: nn.Module) -> None:
+    """Stack every mixture's float experts for the Triton kernel (Experts.stack): on CUDA, at load."""
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.stack()
