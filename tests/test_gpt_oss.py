@@ -96,3 +96,24 @@ def test_sinks_and_experts_under_tensor_parallelism(checkpoints):
                     tp_size=tp) as eng:
             outs[tp] = [o["output_ids"] for o in eng.generate(input_ids=prompts(), sampling_params=GREEDY)]
     assert outs[2] == outs[1]
+
+
+def test_a_gpt_oss_gguf_is_refused_by_name(tmp_path, monkeypatch):
+    """llama.cpp's gpt-oss files: transformers' GGUF reader, which conversion builds on, cannot read them."""
+    import gguf
+    import numpy as np
+
+    from engine.loader import convert_gguf
+
+    monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "gpt-oss-20b-mxfp4.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    mxfp4_type = gguf.GGMLQuantizationType.MXFP4
+    writer.add_tensor("blk.0.ffn_down_exps.weight", gguf.quants.quantize(np.ones((2, 4, 32), np.float32), mxfp4_type),
+                      raw_dtype=mxfp4_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="a gpt-oss GGUF, which spec cannot convert.*Hugging Face checkpoint"):
+        convert_gguf(path)

@@ -35,6 +35,10 @@ _SINGLE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")     # Mix
 SERVED = {"llama": "Llama, Mistral; with experts Mixtral", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3",
           "qwen2moe": "Qwen2-MoE", "qwen3moe": "Qwen3-MoE", "olmoe": "OLMoE", "phi3": "Phi-3/3.5/4",
           "gemma2": "Gemma 2", "gemma3": "Gemma 3 text"}
+# Architectures the engine serves from Hugging Face checkpoints but not from GGUF files yet, and why.
+UNREAD = {"gpt-oss": "transformers' GGUF reader, which conversion builds on, fails on its header's yarn RoPE keys "
+                     "and does not map its stacked MXFP4 expert tensors. Serve the Hugging Face checkpoint instead "
+                     "(openai/gpt-oss-20b or -120b: their MXFP4 experts are dequantized at load)."}
 
 
 def check_served(path: Path) -> None:
@@ -45,6 +49,8 @@ def check_served(path: Path) -> None:
 
     field = gguf.GGUFReader(path).fields.get("general.architecture")
     arch = field.contents() if field is not None else None
+    if arch in UNREAD:
+        raise ModelLoadError(f"{path} is a {arch} GGUF, which spec cannot convert: {UNREAD[arch]}")
     if arch not in SERVED:
         raise ModelLoadError(
             f"{path} is a GGUF file of architecture {arch!r}, which spec does not serve. GGUF architectures it "
