@@ -29,6 +29,7 @@ from engine.core.request import Request
 from engine.core.sampling import choice_seed
 from engine.speculative.prediction import Prediction
 from engine.core.sampling_params import SamplingParams
+from engine.text import hold_back_stop_prefix
 
 log = logging.getLogger(__name__)
 
@@ -421,15 +422,3 @@ def _draft_key(args: ServerArgs) -> tuple:
     # Multi-layer MTP drafting loads one layer per step.
     return (args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_draft_model_revision,
             args.speculative_token_map, args.enable_multi_layer_eagle and args.speculative_num_steps)
-
-
-def hold_back_stop_prefix(text: str, stops: Sequence[str]) -> str:
-    """While a request runs, hide a tail that could be the start of a stop string (it may be cut).
-    The server holds back a tail that could begin a <tool_call> the same way."""
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                hold = max(hold, k)
-                break
-    return text[:len(text) - hold] if hold else text

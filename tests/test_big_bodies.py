@@ -9,11 +9,14 @@ import functools
 import json
 import multiprocessing
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
 
-from engine.server import bodies
+from engine.server import bodies, protocol, responses_protocol
 from tests.gates import held
 from tests.serving import serve, server_args
 from tests.tiny import make_model
@@ -116,3 +119,17 @@ def test_a_body_not_in_utf8_is_refused_alike(live):
     for r in (small, large):
         assert r.status_code == 400
         assert r.json()["error"]["message"].startswith("The request body could not be read as JSON: 'utf-8' codec")
+
+
+
+def test_a_body_child_loads_neither_torch_nor_transformers():
+    """A child imports bodies.py and the request models of the routes (those of the chat, completion and
+    /generate routes, and the Responses API's), and nothing heavier: with torch or transformers each
+    child would take seconds and hundreds of MB to start."""
+    modules = ", ".join(m.__name__ for m in (bodies, protocol, responses_protocol))
+    code = (f"import sys, {modules}\n"
+            "print([m for m in ('torch', 'transformers', 'engine.engine') if m in sys.modules])")
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

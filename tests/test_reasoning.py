@@ -13,6 +13,7 @@ import pytest
 from engine import ServerArgs
 from engine.errors import ConfigError
 from engine.server.choice_output import ChoiceParser
+from engine.server.protocol import TEMPLATE_ARGUMENTS
 from engine.server.reasoning import FORMATS
 from engine.server.tool_calls import tool_format
 from tests.drafts import ALGOS, draft_setup
@@ -255,6 +256,16 @@ def test_chat_template_kwargs_are_checked_as_the_schema_says(qwen3):
         assert h.post("/v1/chat/completions", json=body).status_code == 200
         assert jsonschema_rs.Draft202012Validator(schema).is_valid(body)
 
+
+def test_the_template_arguments_refused_are_those_of_the_installed_transformers():
+    """chat_template_kwargs may not name apply_chat_template's own arguments (they would never reach the
+    template); the list is written out, so that the request models load without transformers."""
+    from inspect import signature
+
+    from transformers import PreTrainedTokenizerBase
+
+    own = set(signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"self", "kwargs"}
+    assert own <= set(TEMPLATE_ARGUMENTS) and "messages" in TEMPLATE_ARGUMENTS
 
 def test_the_openai_client_reads_reasoning_content(r1):
     client = openai.OpenAI(base_url=f"{r1.url}/v1", api_key="none", max_retries=0)

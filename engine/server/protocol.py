@@ -13,11 +13,9 @@ text is checked here for what no tokenizer can take.
 
 from __future__ import annotations
 
-from inspect import signature
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
-from transformers import PreTrainedTokenizerBase
 
 from engine.core.sampling_params import (CONSTRAINTS, INT_MAX, LOGIT_BIAS, MAX_LOGIT_BIAS, MAX_STOP_CHARS,
                                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES, text_problem)
@@ -325,9 +323,14 @@ class ChatMessage(APIBody):
     tool_call_id: Optional[Text] = None              # a tool turn's answer to that call
 
 
-# apply_chat_template's own arguments, which the server sets itself (the rest reach the template).
-TEMPLATE_ARGUMENTS = ("messages",) + tuple(name for name in signature(PreTrainedTokenizerBase.apply_chat_template)
-                                           .parameters if name not in ("self", "kwargs"))
+# apply_chat_template's own arguments (transformers 4.51 to 5.x), which the server sets itself or which
+# would not reach the template; the rest do. Written out, as importing transformers here would load it
+# (and torch) into every child that parses a large body (bodies.py); tests/test_reasoning.py checks them
+# against the installed transformers.
+TEMPLATE_ARGUMENTS = ("messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+                      "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                      "tokenizer_kwargs")
 
 
 def _template_kwargs(value: dict) -> dict:

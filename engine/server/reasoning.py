@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from engine.engine import hold_back_stop_prefix
+from engine.text import hold_back_stop_prefix
 
 THINK, END_THINK = "<think>", "</think>"
 # Harmony's markers (openai/harmony): a message is <|start|>{role}<|channel|>{channel}[ to={recipient}]

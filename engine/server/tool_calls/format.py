@@ -17,7 +17,7 @@ import re
 import uuid
 from typing import Any, Optional, Sequence
 
-from engine.engine import hold_back_stop_prefix
+from engine.text import hold_back_stop_prefix
 from engine.server.tool_calls.parser import ToolCallParser
 
 # A JSON string (or one the text so far leaves open) or a bracket: what json_end counts brackets by.
