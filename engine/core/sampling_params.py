@@ -71,7 +71,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False            # keep the matched stop string in the text
+    no_stop_trim: bool = False            # keep the matched stop string (or stop token) in the text
     seed: Optional[int] = None
     n: int = 1
     logit_bias: Optional[dict[str, float]] = None     # token id (as a string, OpenAI's form) -> added to its logit

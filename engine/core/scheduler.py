@@ -406,8 +406,6 @@ class Scheduler:
                     req.output_logprobs.append(logprobs[i])
                 if req.first_token_time is None:
                     req.first_token_time = time.perf_counter()
-                if req.params.stop:             # searched in the text: decoded token by token, now
-                    req.text += req.detok.catch_up(req.token_ids)
                 if req.grammar is not None and not req.grammar.accept_token(tok):
                     # Masks allow only what the grammar accepts: this is a bug, not the client's doing.
                     raise RuntimeError(f"the grammar refused committed token {tok}")
@@ -430,6 +428,7 @@ class Scheduler:
         if tok in self.eos_ids and not p.ignore_eos:
             return FinishReason("stop", matched=tok)
         if p.stop:
+            req.text += req.detok.catch_up(req.token_ids)       # searched in the text: decoded token by token
             # Only the tail can hold a new match: search from where the longest stop string could start.
             start = max(0, req.checked_text_len - max(len(s) for s in p.stop) + 1)
             req.checked_text_len = len(req.text)
@@ -448,9 +447,14 @@ class Scheduler:
             if req in queue:
                 queue.remove(req)
         self._release_kv(req)
+        # A matched stop token (EOS among them) is not decoded into the text, unless no_stop_trim, as SGLang
+        # trims it: kept special tokens (skip_special_tokens false) would otherwise end the text with it.
+        ids = req.token_ids
+        if isinstance(reason.matched, int) and not req.params.no_stop_trim:
+            ids = ids[:-1]
         try:
-            req.text += req.detok.catch_up(req.token_ids)
-            req.text += req.detok.step(req.token_ids, final=True)
+            req.text += req.detok.catch_up(ids)
+            req.text += req.detok.step(ids, final=True)
         except Exception:                   # a detokenizer that failed once: keep the text so far
             log.exception("request %s: the last text could not be decoded", req.rid)
         if req.stop_text_cut is not None:
