@@ -46,8 +46,9 @@ CASES = {
     "qwen3": ("whole", QWEN3, {}, "<think>{r}</think>{c}"),
     # The prompt ends in the script's <think>, so the model goes on from there, as V3.1 does.
     "deepseek-v3": ("whole", V3, {"thinking": True}, "{r}</think>{c}"),
-    "gpt-oss": ("harmony", HARMONY, {}, "<|channel|>analysis<|message|>{r}<|end|><|start|><|channel|>final<|message|>{c}"
-                                        "<|return|>"),
+    # <|return|>, the EOS, is trimmed from the text as every matched stop token is.
+    "gpt-oss": ("harmony", HARMONY, {},
+                "<|channel|>analysis<|message|>{r}<|end|><|start|><|channel|>final<|message|>{c}"),
 }
 SPLITS = {"split": ("Let me see", "The answer is 4."), "whole": ("Hmm", "Yes."), "harmony": ("We add", "Four")}
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]

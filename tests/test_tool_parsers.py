@@ -14,6 +14,7 @@ import xgrammar as xgr
 from engine.config import TOOL_CALL_PARSER_ALIASES, ServerArgs
 from engine.server.protocol import NamedToolChoice, Tool
 from engine.server.tool_calls import FORMATS, CannotConstrain, tool_format
+from tests.scripted import make_scripted_model
 from tests.serving import serve, server_args
 from tests.tiny import TOOLS_CHAT_TEMPLATE, make_model, make_tokenizer
 
@@ -220,3 +221,44 @@ def test_a_format_without_a_tag_refuses_required_and_named_choices(model_dir):
         ok = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                                  "tools": [WEATHER.model_dump(exclude_none=True)]})
         assert ok.status_code == 200
+
+
+# Mistral's marker is a special token, as in its tokenizers: detokenizing skips it unless tools are offered.
+MISTRAL_CALL = ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    model = make_scripted_model(tmp_path_factory.mktemp("mistral"), ["[TOOL_CALLS]", MISTRAL_CALL],
+                                special=["[TOOL_CALLS]"], chat_template=TOOLS_CHAT_TEMPLATE)
+    with serve(server_args(model, tool_call_parser="mistral")) as live:
+        yield live
+
+
+def test_a_call_whose_marker_is_a_special_token_is_found(mistral):
+    """With tools offered the output keeps its special tokens, so the parser sees [TOOL_CALLS]: a call,
+    whole and streamed, and no EOS text after it (a matched stop token is not decoded into the text)."""
+    client = openai.OpenAI(base_url=f"{mistral.url}/v1", api_key="none", max_retries=0)
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Weather?"}], temperature=0, max_tokens=20,
+              tools=[WEATHER.model_dump(exclude_none=True)])
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+    assert named([c.model_dump() for c in choice.message.tool_calls]) == [("get_weather", {"city": "Paris"})]
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [("get_weather", {"city": "Paris"})]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # tool_choice "none" offers no tools: the request's own skip_special_tokens (true) holds, and the call
+    # is text without its marker.
+    plain = client.chat.completions.create(**kw, tool_choice="none").choices[0]
+    assert (plain.finish_reason, plain.message.content, plain.message.tool_calls) == ("stop", MISTRAL_CALL, None)
+
+
+@pytest.mark.parametrize("no_stop_trim", [False, True])
+def test_a_matched_stop_token_is_trimmed_from_the_text_unless_no_stop_trim(mistral, no_stop_trim):
+    with mistral.http() as h:
+        out = h.post("/generate", json={"text": "Weather?", "sampling_params": {
+            "temperature": 0, "skip_special_tokens": False, "no_stop_trim": no_stop_trim}}).json()
+    assert out["text"] == "[TOOL_CALLS]" + MISTRAL_CALL + ("</s>" if no_stop_trim else "")
+    assert out["meta_info"]["finish_reason"]["type"] == "stop" and len(out["output_ids"]) == 3

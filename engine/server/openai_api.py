@@ -47,7 +47,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     compact = serving.args.constrained_json_disable_any_whitespace
     sampling = body.sampling_params(body.max_completion_tokens or body.max_tokens) | _constraint(body, tools, calls,
                                                                                                  compact)
-    sampling = serving.reasoning_sampling(sampling, template_kwargs)
+    sampling = tool_calls.tool_sampling(serving.reasoning_sampling(sampling, template_kwargs), tools)
     offered = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     prompt = await serving.chat_prompt(body.messages, offered, template_kwargs)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

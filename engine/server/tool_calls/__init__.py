@@ -22,7 +22,7 @@ FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Llama3(), Mistra
                                                       Harmony())}
 FORMATS |= {"qwen": FORMATS["qwen25"], "hermes": FORMATS["qwen25"]}
 
-__all__ = ["CannotConstrain", "FORMATS", "ToolFormat", "tool_format"]
+__all__ = ["CannotConstrain", "FORMATS", "ToolFormat", "tool_format", "tool_sampling"]
 
 
 def tool_format(name: Optional[str], chat_template: Optional[str]) -> Optional[ToolFormat]:
@@ -32,3 +32,9 @@ def tool_format(name: Optional[str], chat_template: Optional[str]) -> Optional[T
         return FORMATS[name]
     return FORMATS["qwen25"] if template_speaks_hermes(chat_template) else None
 
+
+def tool_sampling(sampling: dict, tools: Optional[list]) -> dict:
+    """A request's sampling params where it offers tools (tool_choice not "none"): detokenized with the
+    special tokens, as SGLang does for every format, since the markers of several ([TOOL_CALLS],
+    <|python_tag|>, Harmony's) are special tokens that the parser would otherwise never see."""
+    return {**sampling, "skip_special_tokens": False} if tools else sampling
