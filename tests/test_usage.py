@@ -1,6 +1,7 @@
 """The usage object of chat and text completions: OpenAI's counts and details, and the `spec` extension
 (engine/server/usage.py), whose verify steps and accepted draft tokens are the engine's own for that
-request, whole and streamed, read by the official openai client; a server without speculation sends none."""
+request, whole and streamed, read by the official openai client; a server without speculation sends none.
+With a reasoning parser, completion_tokens_details.reasoning_tokens counts the output's reasoning."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import json
 import openai
 import pytest
 
+from engine.server.choice_output import ChoiceParser
+from engine.server.reasoning import FORMATS
+from tests.scripted import make_scripted_model
 from tests.serving import serve, server_args, sse
 from tests.tiny import make_model
 
@@ -128,3 +132,55 @@ def test_no_extension_without_speculation(plain):
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
         stream_options={"include_usage": True}, extra_body=GREEDY))
     assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].usage.model_extra == {}
+
+
+# ---------------------------------------------------------------------------------------- reasoning tokens
+THINKING = ["<think>", "Hmm", " well", "</think>", "Yes", "."]     # four tokens of reasoning, its end's included
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory):
+    model = make_scripted_model(tmp_path_factory.mktemp("thinking"), THINKING)
+    with serve(server_args(model, reasoning_parser="qwen3")) as s:
+        yield s
+
+
+def reasoning_usage(live, **body) -> tuple[int, int]:
+    """A chat completion's (reasoning tokens, completion tokens), which its stream's usage (include_usage)
+    repeats."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, **body}
+    with live.http() as c:
+        whole = c.post("/v1/chat/completions", json=body).json()["usage"]
+        with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True,
+                                                            "stream_options": {"include_usage": True}}) as r:
+            streamed = [json.loads(d) for d in sse(r) if d != "[DONE]"][-1]["usage"]
+    assert streamed == whole
+    return whole["completion_tokens_details"]["reasoning_tokens"], whole["completion_tokens"]
+
+
+def test_reasoning_tokens_count_the_output_up_to_the_end_of_its_reasoning(thinking):
+    assert reasoning_usage(thinking) == (4, 7)                              # the EOS ends the answer
+    assert reasoning_usage(thinking, separate_reasoning=False) == (4, 7)    # shown or not, the same tokens
+    assert reasoning_usage(thinking, n=2) == (8, 14)
+    assert reasoning_usage(thinking, max_tokens=2) == (2, 2)                # cut inside the reasoning
+    assert reasoning_usage(thinking, chat_template_kwargs={"enable_thinking": False}) == (0, 7)
+    r = client(thinking).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 temperature=0)
+    assert r.usage.completion_tokens_details.reasoning_tokens == 4
+
+
+def test_no_reasoning_tokens_without_a_reasoning_parser(plain):
+    r = client(plain).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=4, extra_body=GREEDY)
+    assert r.usage.completion_tokens_details is None
+
+
+@pytest.mark.parametrize("name,text,reasoned", [
+    ("qwen3", "<think>a</think>b", True), ("qwen3", "b", False), ("deepseek-r1", "</think>b", True),
+    ("gpt-oss", "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>b", True),
+    ("gpt-oss", "<|channel|>final<|message|>b", False)])
+def test_an_output_reasoned_where_its_parser_entered_a_reasoning(name, text, reasoned):
+    for separate in (True, False):
+        parser = ChoiceParser(FORMATS[name], None, separate=separate)
+        parser.feed(text, final=True)
+        assert parser.reasoned == reasoned

@@ -23,17 +23,18 @@ class Delta:
 
 
 class ChoiceParser:
-    """reasoning: the server's reasoning format, or None to leave any reasoning in the content (no
-    --reasoning-parser, or separate_reasoning false); tools: the tool-call format, or None where the
-    request offers no tools; template_kwargs: the request's chat_template_kwargs (they say whether it
-    thinks); stream_reasoning false: each stretch of reasoning is sent whole, once it closes or the
-    output ends inside it."""
+    """reasoning: the server's reasoning format (None: no --reasoning-parser, the output is all answer);
+    tools: the tool-call format, or None where the request offers no tools; template_kwargs: the
+    request's chat_template_kwargs (they say whether it thinks); stream_reasoning false: each stretch of
+    reasoning is sent whole, once it closes or the output ends inside it; separate false
+    (separate_reasoning): the reasoning stays in the content, as written, and is only followed, for
+    `reasoned`."""
 
     def __init__(self, reasoning: Optional[ReasoningFormat], tools: Optional[ToolFormat],
-                 template_kwargs: Optional[dict] = None, stream_reasoning: bool = True):
+                 template_kwargs: Optional[dict] = None, stream_reasoning: bool = True, separate: bool = True):
         self.reasoning = reasoning.parser(template_kwargs or {}) if reasoning else None
         self.tools = tools.parser() if tools else None
-        self.stream_reasoning = stream_reasoning
+        self.stream_reasoning, self.separate = stream_reasoning, separate
         self.answer = ""              # the text after the reasoning so far: what the tool-call parser reads
         self.held = ""                # reasoning not sent yet (stream_reasoning false)
 
@@ -42,8 +43,16 @@ class ChoiceParser:
         """How many tool calls went out so far."""
         return self.tools.calls if self.tools else 0
 
+    @property
+    def reasoned(self) -> bool:
+        """Whether the output so far entered a reasoning: its tokens up to the reasoning's end are
+        reasoning tokens (usage.reasoning_tokens)."""
+        return self.reasoning is not None and self.reasoning.reasoned
+
     def feed(self, text: str, final: bool = False) -> Delta:
-        if self.reasoning is None:
+        if self.reasoning is None or not self.separate:
+            if self.reasoning is not None:
+                self.reasoning.feed(text, final)
             reasoning, answer = "", text[len(self.answer):]
         else:
             reasoning, answer = self.reasoning.feed(text, final)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 import uuid
-from typing import AsyncIterator, Callable, Optional, Sequence
+from typing import AsyncIterator, Optional, Sequence
 
 from fastapi import APIRouter, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
@@ -55,10 +54,10 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     reqs = await serving.make_requests([prompt], sampling, default_max_tokens=serving.context_len, names=names,
                                        http=http, return_logprob=bool(body.logprobs),
                                        top_logprobs_num=body.top_logprobs or 0)
-    shown = serving.reasoning if body.separate_reasoning else None
-    parser = functools.partial(ChoiceParser, shown, calls if tools else None, template_kwargs, body.stream_reasoning)
-    shape = _Shape("chatcmpl", "chat.completion", serving, [len(prompt)], bool(body.logprobs), parser=parser,
-                   reasoning=shown is not None)
+    parsers = [ChoiceParser(serving.reasoning, calls if tools else None, template_kwargs, body.stream_reasoning,
+                            body.separate_reasoning) for _ in reqs]
+    shape = _Shape("chatcmpl", "chat.completion", serving, [len(prompt)], bool(body.logprobs), parsers=parsers,
+                   reasoning=serving.reasoning is not None and body.separate_reasoning)
     return await _respond(serving, http, reqs, body.stream, body.include_usage, shape, [""] * len(reqs))
 
 
@@ -133,19 +132,25 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
 
 
 class _Shape:
-    """What differs between chat and text completion responses, and the fields they share. `parser` makes
-    a chat choice's ChoiceParser; `reasoning`: chat messages carry reasoning_content."""
+    """What differs between chat and text completion responses, and the fields they share. `parsers`: each
+    chat choice's ChoiceParser; `reasoning`: chat messages carry reasoning_content."""
 
     def __init__(self, id_prefix: str, obj: str, serving: Serving, prompt_lens: Sequence[int], logprobs: bool,
-                 parser: Optional[Callable[[], ChoiceParser]] = None, reasoning: bool = False):
+                 parsers: Optional[list[ChoiceParser]] = None, reasoning: bool = False):
         self.chat, self.tokenizer, self.logprobs = obj == "chat.completion", serving.tokenizer, logprobs
-        self.parser, self.reasoning = parser, reasoning
+        self.parsers, self.reasoning = parsers, reasoning
+        self.reasoning_end = serving.reasoning_end if self.chat else None     # reasoning tokens end with it
         self.base = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
                      "model": serving.model_name}
         self.prompt_tokens = sum(prompt_lens)
 
     def usage(self, outs: Sequence[Optional[dict]]) -> dict:
-        return usage.of(self.prompt_tokens, outs)
+        """Over the choices' outputs, with chat's reasoning tokens where the server has a reasoning parser
+        (those of the choices whose parser saw a reasoning)."""
+        reasoning = None if self.reasoning_end is None else sum(
+            usage.reasoning_tokens(o["output_ids"], self.reasoning_end) for o, p in zip(outs, self.parsers)
+            if o and p.reasoned)
+        return usage.of(self.prompt_tokens, outs, reasoning)
 
     async def token_logprobs(self, out: dict, start: int, end: int, offset: int) -> Optional[dict]:
         """The choice's logprobs for output tokens start..end (`offset`: where token start's text begins)."""
@@ -160,7 +165,7 @@ class _Shape:
         reason = out["meta_info"]["finish_reason"]
         finish = reason["type"]
         if self.chat:
-            parsed = self.parser().feed(text, final=True)
+            parsed = self.parsers[index].feed(text, final=True)
             message = {"role": "assistant", "content": parsed.content if parsed.content or not parsed.calls else None}
             if self.reasoning:
                 message["reasoning_content"] = parsed.reasoning or None
@@ -201,7 +206,7 @@ async def _chunks(sub: Submission, shape: _Shape, include_usage: bool, echoes: S
     n = len(sub.rids)
     sent, tokens_sent, calls_sent = [0] * n, [0] * n, [0] * n
     offsets = [len(e) for e in echoes]
-    parsers = [shape.parser() for _ in range(n)] if shape.chat else None
+    parsers = shape.parsers
     for i, echo in enumerate(echoes):         # opens each choice before the first token arrives
         if shape.chat:
             yield shape.chunk(i, {"role": "assistant", "content": ""}, None)

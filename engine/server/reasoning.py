@@ -35,17 +35,18 @@ MESSAGE_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 
 
 class ThinkParser:
-    """<think>reasoning</think>answer. `in_reasoning`: whether the text so far ends inside the reasoning."""
+    """<think>reasoning</think>answer. `in_reasoning`: whether the text so far ends inside the reasoning;
+    `reasoned`: whether it entered one."""
 
     def __init__(self, in_reasoning: bool):
-        self.in_reasoning = in_reasoning
+        self.in_reasoning = self.reasoned = in_reasoning
         self.pos = 0                  # text consumed
         self.opened = False           # the output's first characters were checked for a <think>
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         if not self.opened:
             if text.startswith(THINK):
-                self.pos, self.in_reasoning = len(THINK), True
+                self.pos, self.in_reasoning, self.reasoned = len(THINK), True, True
             elif THINK.startswith(text) and not final:
                 return "", ""
             self.opened = True
@@ -68,6 +69,7 @@ class HarmonyParser:
     def __init__(self):
         self.pos = 0
         self.kind: Optional[str] = None   # the open message's: "reasoning", "answer" or "call"; None between
+        self.reasoned = False             # an analysis message opened
 
     @property
     def in_reasoning(self) -> bool:
@@ -89,6 +91,7 @@ class HarmonyParser:
                     break
                 header = text[self.pos:body]
                 self.kind = "call" if " to=" in header else "reasoning" if f"{CHANNEL}analysis" in header else "answer"
+                self.reasoned = self.reasoned or self.kind == "reasoning"
                 if self.kind == "call":
                     parts["answer"].append(text[self.pos:body + len(MESSAGE)])
                 self.pos = body + len(MESSAGE)
