@@ -279,6 +279,33 @@ def test_the_openai_client_reads_reasoning_content(r1):
     assert (reasoning, content) == ("Let me see", "The answer is 4.")
 
 
+
+def test_generate_starts_a_grammar_at_reasoning_end(qwen3):
+    """/generate's reasoning_end (token ids): the output is free up to and with their first appearance,
+    the grammar's after; refused without a grammar and outside the vocabulary, as the schema says."""
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    with qwen3.http() as h:
+        def generate(**sampling):
+            return h.post("/generate", json={"text": "What is 2+2?", "sampling_params": {
+                "temperature": 0, "max_new_tokens": 20, **sampling}})
+
+        free = generate().json()
+        assert free["text"] == "<think>Hmm</think>Yes."
+        end = free["output_ids"][2:3]                                   # </think>
+        assert generate(regex="(yes|no)", reasoning_end=end).json()["text"] in ("<think>Hmm</think>yes",
+                                                                                 "<think>Hmm</think>no")
+        assert generate(regex="(yes|no)").json()["text"] in ("yes", "no")
+        schema = {"$ref": "#/components/schemas/GenerateRequest", **h.get("/openapi.json").json()}
+        r = generate(reasoning_end=end)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.reasoning_end"
+        assert "reasoning_end says where a grammar starts; pass it with one of" in r.json()["error"]["message"]
+        r = generate(regex="(yes|no)", reasoning_end=[10 ** 6])
+        assert r.status_code == 400 and "reasoning_end names token 1000000, outside the vocabulary" in r.text
+        assert not jsonschema_rs.Draft202012Validator(schema).is_valid(
+            {"text": "hi", "sampling_params": {"reasoning_end": end}})
+        assert jsonschema_rs.Draft202012Validator(schema).is_valid(
+            {"text": "hi", "sampling_params": {"regex": "(yes|no)", "reasoning_end": end}})
+
 # ---------------------------------------------------------------------------------------- tool calls after it
 TOOLS_TEMPLATE = "{% if tools %}<|system|>{% for t in tools %}{{ t | tojson }}{% endfor %}</s>{% endif %}" + QWEN3
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

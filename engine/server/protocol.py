@@ -17,8 +17,8 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from engine.core.sampling_params import (CONSTRAINTS, INT_MAX, LOGIT_BIAS, MAX_LOGIT_BIAS, MAX_STOP_CHARS,
-                                    MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES, text_problem)
+from engine.core.sampling_params import (CONSTRAINTS, INT_MAX, LOGIT_BIAS, MAX_LOGIT_BIAS, MAX_REASONING_END,
+                                    MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES, text_problem)
 from engine.server.reasoning import THINKING_SWITCHES
 
 
@@ -394,9 +394,14 @@ class CompletionRequest(_OpenAISampling):
     best_of: Optional[_only(1)] = None
 
 
+# reasoning_end says where a grammar starts: not without one.
+REASONING_END_ALONE = {"not": {"required": ["reasoning_end"], "properties": {"reasoning_end": GIVEN}, "not": {
+    "anyOf": [{"required": [g], "properties": {g: GIVEN}} for g in CONSTRAINTS]}}}
+
+
 class SGLangSampling(APIBody):
     """/generate's sampling_params: SGLang's names (engine/core/sampling_params.py); null is the default."""
-    REFUSED = grammar_refused(CONSTRAINTS, "min_new_tokens")
+    REFUSED = grammar_refused(CONSTRAINTS, "min_new_tokens") + [REASONING_END_ALONE]
     max_new_tokens: OptInt = ranged("max_new_tokens")
     min_new_tokens: OptInt = ranged("min_new_tokens")
     temperature: Optional[float] = ranged("temperature")
@@ -420,6 +425,9 @@ class SGLangSampling(APIBody):
     regex: Optional[Regex] = None
     ebnf: Optional[EBNF] = None
     structural_tag: Optional[StructuralTag] = None
+    # spec's own: the token ids that end a reasoning model's thinking; the grammar starts where they first
+    # appear in the output, which is free up to there (chat does this itself with --reasoning-parser).
+    reasoning_end: Optional[Annotated[list[TokenId], Field(min_length=1, max_length=MAX_REASONING_END)]] = None
     prediction: Union[Text, TokenIds, None] = None
 
 
