@@ -79,8 +79,8 @@ class SamplingParams:
     regex: Optional[str] = None
     ebnf: Optional[str] = None                        # xgrammar's EBNF (GBNF)
     structural_tag: Optional[str] = None              # an xgrammar structural tag, as JSON text
-    # Set by the server from its reasoning parser: the grammar constrains only the output after these
-    # tokens first appear in it (the end of the thinking); None: the whole output.
+    # From the server's reasoning parser, or given on /generate: the grammar constrains only the output after
+    # these tokens first appear in it (the end of the thinking); None: the whole output.
     reasoning_end: Optional[tuple[int, ...]] = None
     # Predicted Outputs: text (or token ids) the answer is expected to mostly repeat, verified as a draft.
     prediction: Union[str, list[int], None] = None
