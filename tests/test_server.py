@@ -697,7 +697,7 @@ def test_openapi_lists_the_statuses_sent(small):
         paths = c.get("/openapi.json").json()["paths"]
     statuses = {(path, method): set(op["responses"]) for path, ops in paths.items() for method, op in ops.items()}
     assert not any("422" in codes for codes in statuses.values())      # invalid requests get 400 here
-    for route in ("/v1/chat/completions", "/v1/completions", "/generate"):
+    for route in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/generate"):
         assert {"200", "400", "413", "500", "503"} <= statuses[(route, "post")]
 
 
@@ -731,6 +731,12 @@ def test_openapi_offers_only_the_values_served(small):
     batches = [o for o in completion["prompt"]["anyOf"] if o.get("items", {}).get("type") != "integer"
                and o.get("type") == "array"]
     assert [o["maxItems"] for o in batches] == [small.serving.args.max_queued_requests] * 2
+    responses = schemas["ResponsesRequest"]["properties"]
+    assert {o.get("maximum") for o in responses["max_output_tokens"]["anyOf"]} == {small.serving.context_len, None}
+    # This model's chat template has no tool format: neither chat nor responses offer tools.
+    for props in (chat, responses):
+        assert values(props["tool_choice"]) == {None, "none"}
+        assert [o.get("maxItems") for o in props["tools"]["anyOf"] if o.get("type") == "array"] == [0]
 
 
 def test_max_tokens_past_what_the_prompt_leaves_ends_with_length(small):
@@ -768,6 +774,8 @@ def test_max_tokens_past_what_the_prompt_leaves_ends_with_length(small):
     ("/v1/completions", "CompletionRequest", {"prompt": [1, 2.5]}),
     ("/v1/completions", "CompletionRequest", {"prompt": [1], "logit_bias": {"": None}}),
     ("/v1/completions", "CompletionRequest", {"prompt": [1], "logit_bias": {"99999999": 1.0}}),
+    ("/v1/responses", "ResponsesRequest", {"input": "hi", "max_output_tokens": 65}),        # past the context
+    ("/v1/responses", "ResponsesRequest", {"input": "hi", "tools": [{"type": "function", "name": "f"}]}),
 ])
 def test_the_schema_refuses_what_the_server_refuses(small, route, schema, body):
     """openapi.json and the validators agree: a body the server answers 400 is one the schema rejects."""
@@ -787,6 +795,8 @@ def test_the_schema_refuses_what_the_server_refuses(small, route, schema, body):
     ("/generate", "GenerateRequest", {"text": "hi", "sampling_params": [{"max_new_tokens": 2}]}),
     ("/v1/chat/completions", "ChatCompletionRequest", {**CHAT, "messages": [{"role": "assistant", "tool_calls": [
         {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}]}]}),
+    ("/v1/responses", "ResponsesRequest", {"input": "hi", "max_output_tokens": 2.0, "tools": [],
+                                           "tool_choice": "none"}),
 ])
 def test_the_server_serves_what_the_schema_allows(small, route, schema, body):
     """Bodies schemathesis found refused though the schema allows them: integers written 2.0 (JSON

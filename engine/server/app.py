@@ -86,8 +86,8 @@ def _openapi(app: FastAPI, serving: Serving) -> dict:
 
 def _served_limits(schemas: dict, serving: Serving) -> None:
     """What the request models cannot know: --max-n, the queue, the context length, the vocabulary, and
-    whether the chat template takes tools. The queue bounds n x prompts, which a schema cannot state:
-    it says n <= --max-n and prompts <= --max-queued-requests."""
+    whether the chat template takes tools (chat completions and responses alike). The queue bounds
+    n x prompts, which a schema cannot state: it says n <= --max-n and prompts <= --max-queued-requests."""
     context, vocab = serving.context_len, serving.engine.model_config.vocab_size
     queue = serving.args.max_queued_requests
 
@@ -118,10 +118,11 @@ def _served_limits(schemas: dict, serving: Serving) -> None:
     for name in ("ChatCompletionRequest", "CompletionRequest", "SGLangSampling"):
         props = schemas[name]["properties"]
         cap_integers(props["n"], min(serving.args.max_n, queue))
-        for key in ("max_tokens", "max_completion_tokens", "max_new_tokens"):
-            if key in props:
-                cap_integers(props[key], context)
         cap_logit_bias(props["logit_bias"])
+    for name, key in (("ChatCompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_completion_tokens"),
+                      ("CompletionRequest", "max_tokens"), ("SGLangSampling", "max_new_tokens"),
+                      ("ResponsesRequest", "max_output_tokens")):
+        cap_integers(schemas[name]["properties"][key], context)
     for node in (schemas["CompletionRequest"]["properties"]["prompt"], schemas["GenerateRequest"]["properties"]["text"],
                  schemas["GenerateRequest"]["properties"]["input_ids"]):
         cap_prompts(node)
@@ -130,9 +131,10 @@ def _served_limits(schemas: dict, serving: Serving) -> None:
     cap_token_ids(schemas["SGLangSampling"]["properties"]["prediction"])
     template = getattr(serving.tokenizer.hf, "chat_template", None)
     if tool_calls.tool_format(serving.args.tool_call_parser, template) is None:
-        props = schemas["ChatCompletionRequest"]["properties"]
-        props["tools"] = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
-        props["tool_choice"] = {"anyOf": [{"type": "null"}, {"const": "none"}]}
+        for name in ("ChatCompletionRequest", "ResponsesRequest"):
+            props = schemas[name]["properties"]
+            props["tools"] = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
+            props["tool_choice"] = {"anyOf": [{"type": "null"}, {"const": "none"}]}
 
 
 # /generate's errors name sampling parameters where the body holds them.
