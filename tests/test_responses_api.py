@@ -246,7 +246,19 @@ def test_store_false_and_absent_are_served(client, live):
     assert r.status_code == 200 and r.json()["store"] is False and r.json()["metadata"] == {"k": "v"}
     with live.http() as h:
         lines = list(sse(h.post("/v1/responses", json={"input": QUESTION, "stream": True, "max_output_tokens": 2})))
-    assert json.loads(lines[0])["type"] == "response.created" and lines[-1] == "[DONE]"
+    assert [json.loads(lines[i])["type"] for i in (0, -1)] == ["response.created", "response.incomplete"]
+
+
+def test_the_raw_stream_names_each_event_by_its_type(live):
+    """As OpenAI's: `event: <type>` before each event's data, and no `data: [DONE]` after the last."""
+    with live.http() as h:
+        r = h.post("/v1/responses", json={"input": QUESTION, "stream": True, "max_output_tokens": 3})
+    *frames, rest = r.text.split("\n\n")
+    named = [frame.split("\n") for frame in frames]
+    assert rest == "" and all(len(lines) == 2 for lines in named), r.text
+    events = [(name.removeprefix("event: "), json.loads(data.removeprefix("data: "))) for name, data in named]
+    assert all(name == event["type"] for name, event in events) and "[DONE]" not in r.text
+    assert [events[i][0] for i in (0, -1)] == ["response.created", "response.incomplete"]
 
 
 # ---------------------------------------------------------------------------------------- reasoning

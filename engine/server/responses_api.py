@@ -48,7 +48,7 @@ async def create_response(body: ResponsesRequest, http: HTTPRequest):
     output, parser = _Output(body, serving, len(prompt)), ChoiceParser(serving.reasoning, calls)
     sub = serving.submit(reqs)
     if body.stream:
-        return serving.stream(sub, _events(sub, output, parser))
+        return serving.stream(sub, _events(sub, output, parser), named=True)
     outs = await serving.wait(sub, http)
     if outs is None:
         return Response(status_code=499)      # the client is gone; nobody reads this

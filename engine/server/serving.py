@@ -199,19 +199,25 @@ class Serving:
                 self.loop.abort(sub.unfinished())
         return waiter.result() if finished else None
 
-    def stream(self, sub: Submission, events: AsyncIterator[dict]) -> StreamingResponse:
-        """Server-sent events, then `data: [DONE]`; a client that disconnects aborts what is left."""
+    def stream(self, sub: Submission, events: AsyncIterator[dict], named: bool = False) -> StreamingResponse:
+        """Server-sent events, then `data: [DONE]`; or, `named`, each under its type (an `event:` line
+        before its data) and no [DONE], as OpenAI's Responses API streams. A client that disconnects
+        aborts what is left."""
+        def sse(data: dict, name: Optional[str]) -> str:
+            return (f"event: {name}\n" if named else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
         async def body():
             try:
                 async for event in events:
-                    yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+                    yield sse(event, event.get("type"))
             except Exception as exc:    # a bug: the stream's status is sent already, so it ends with an error event
                 log.exception("internal error while streaming")
                 err = APIError(500, f"Internal server error ({type(exc).__name__}); see the server log.")
-                yield f"data: {json.dumps(error_event(err))}\n\n"
+                yield sse(error_event(err), "error")
             finally:
                 self.loop.abort(sub.unfinished())
-            yield "data: [DONE]\n\n"
+            if not named:
+                yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
