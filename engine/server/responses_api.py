@@ -42,7 +42,12 @@ async def create_response(body: ResponsesRequest, http: HTTPRequest):
                                                     serving.args.constrained_json_disable_any_whitespace)
     sampling = serving.reasoning_sampling(sampling, {})
     offered = [t.model_dump(exclude_none=True) for t in tools] if tools else None
-    prompt = await serving.chat_prompt(body.messages(), offered)
+    messages = body.messages()
+    if not messages:
+        raise APIError(400, "input holds only reasoning items, which add nothing to the prompt (chat templates drop "
+                            "earlier turns' thinking); send a message or instructions too.", param="input",
+                       code="invalid_value")
+    prompt = await serving.chat_prompt(messages, offered)
     reqs = await serving.make_requests([prompt], sampling, default_max_tokens=serving.context_len, names=NAMES,
                                        http=http)
     output, parser = _Output(body, serving, len(prompt)), ChoiceParser(serving.reasoning, calls)

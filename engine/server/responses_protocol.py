@@ -107,9 +107,11 @@ class ReasoningItem(APIBody):
     status: Optional[Status] = None
 
 
-# Tags that are no parameter names, so that error locations read input.0.content.
+# Tags that are no parameter names, so that error locations read input.0.content. A message's type
+# may be left out or null.
 def _item_tag(value: Any) -> Optional[str]:
-    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    kind = "message" if kind is None else kind
     return f"type={kind}" if kind in ITEM_KINDS else None
 
 
@@ -193,6 +195,10 @@ class ResponsesRequest(APIBody):
         {"not": {"required": ["tool_choice"], "properties": {
             "tool_choice": {"not": {"anyOf": [{"type": "null"}, {"const": "none"}]}},
             "tools": {"anyOf": [{"type": "null"}, {"maxItems": 0}]}}}},
+        # Reasoning items add nothing to the prompt: without instructions, input of them alone is empty.
+        {"not": {"required": ["input"], "properties": {
+            "input": {"type": "array", "items": {"required": ["type"], "properties": {"type": {"const": "reasoning"}}}},
+            "instructions": {"type": "null"}}}},
     ]
     model: Optional[str] = None
     input: Union[PromptText, Annotated[list[InputItem], Field(min_length=1, max_length=MAX_ITEMS)]]
