@@ -220,6 +220,8 @@ def test_stream_of_a_function_call(client):
     ({"max_output_tokens": 10 ** 6}, "max_output_tokens", "context length"),
     ({"input": ""}, "input", "at least 1"),
     ({"max_tool_calls": 3}, "max_tool_calls", "Unsupported parameter"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs", "set by the server"),
+    ({"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs", "true or false"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input", "only reasoning items"),
 ])
 def test_refusals_say_why(live, body, param, words):
@@ -282,7 +284,8 @@ def test_the_raw_stream_names_each_event_by_its_type(live):
 # A scripted model (tests/scripted.py) that thinks, then calls a tool, in Qwen3's format.
 THINKING_TEMPLATE = ("{% if tools %}<|system|>{% for t in tools %}{{ t | tojson }}{% endfor %}</s>{% endif %}"
                      "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-                     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+                     "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and "
+                     "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
 THINK_THEN_CALL = ["<think>", "Weather", " first", "</think>", "<tool_call>",
                    '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "</tool_call>"]
 CITY = {"type": "function", "name": "get_weather", "parameters": {
@@ -344,3 +347,20 @@ def test_reasoning_items_sent_back_add_nothing_to_the_prompt(thinker):
                                               max_output_tokens=1)
     without = thinker.responses.create(model="tiny", input=[*turn, call, done], tools=[CITY], max_output_tokens=1)
     assert with_reasoning.usage.input_tokens == without.usage.input_tokens
+
+
+
+def test_enable_thinking_false_reaches_the_template_and_turns_the_reasoning_off(thinker):
+    """chat_template_kwargs as on chat completions: Qwen3's template closes an empty thinking block, and
+    the parser takes what the model writes as the answer."""
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    on = thinker.responses.create(model="tiny", input="Weather in Paris?", max_output_tokens=4)
+    r = thinker.responses.create(model="tiny", input="Weather in Paris?", max_output_tokens=4, extra_body=off)
+    chat = thinker.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                           max_tokens=4, extra_body=off)
+    assert [o.type for o in on.output] == ["reasoning"]
+    (message,) = r.output
+    assert message.type == "message" and r.output_text == "<think>Weather first</think>"
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens > on.usage.input_tokens
+    assert r.usage.output_tokens_details.reasoning_tokens == 0

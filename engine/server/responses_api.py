@@ -36,21 +36,22 @@ async def create_response(body: ResponsesRequest, http: HTTPRequest):
     """A model response to `input` (text, or a conversation of message and function-call items), whole
     or, with `"stream": true`, as server-sent events. Nothing is stored."""
     serving: Serving = http.app.state.serving
+    template_kwargs = body.chat_template_kwargs or {}
     calls = _tool_format(body, serving)
     tools = body.chat_tools() if calls else None
     sampling = body.sampling_params() | _constraint(body, tools, calls,
                                                     serving.args.constrained_json_disable_any_whitespace)
-    sampling = serving.reasoning_sampling(sampling, {})
+    sampling = serving.reasoning_sampling(sampling, template_kwargs)
     offered = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     messages = body.messages()
     if not messages:
         raise APIError(400, "input holds only reasoning items, which add nothing to the prompt (chat templates drop "
                             "earlier turns' thinking); send a message or instructions too.", param="input",
                        code="invalid_value")
-    prompt = await serving.chat_prompt(messages, offered)
+    prompt = await serving.chat_prompt(messages, offered, template_kwargs)
     reqs = await serving.make_requests([prompt], sampling, default_max_tokens=serving.context_len, names=NAMES,
                                        http=http)
-    output, parser = _Output(body, serving, len(prompt)), ChoiceParser(serving.reasoning, calls)
+    output, parser = _Output(body, serving, len(prompt)), ChoiceParser(serving.reasoning, calls, template_kwargs)
     sub = serving.submit(reqs)
     if body.stream:
         return serving.stream(sub, _events(sub, output, parser), named=True)

@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BeforeValidator, Discriminator, Field, Tag, model_validator
 
 from engine.server.protocol import (MAX_ITEMS, APIBody, ChatMessage, FunctionCall, FunctionDefinition, Items,
-                                    JSONObject, MaxTokens, NamedToolChoice, PromptText, Text, Tool, ToolCall,
-                                    ranged, together)
+                                    JSONObject, MaxTokens, NamedToolChoice, PromptText, TemplateKwargs, Text, Tool,
+                                    ToolCall, ranged, together)
 
 Status = Literal["in_progress", "completed", "incomplete"]
 ITEM_KINDS = ("message", "function_call", "function_call_output", "reasoning")
@@ -227,6 +227,9 @@ class ResponsesRequest(APIBody):
     reasoning: Optional[Reasoning] = None
     truncation: refused("truncation 'auto' would drop input items to fit the context; this server refuses an "
                         "input too long instead: leave truncation out or set it to 'disabled'", "disabled") = None
+    # SGLang's and vLLM's extension, as on chat completions: more variables for the chat template
+    # (enable_thinking false turns Qwen3's thinking off).
+    chat_template_kwargs: Optional[TemplateKwargs] = None
     # Accepted and ignored, as on chat completions (protocol.py).
     user: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
