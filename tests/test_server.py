@@ -328,6 +328,8 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "top_p": 0}, 400, None),
     ("/v1/chat/completions", {**CHAT, "top_p": 1.5}, 400, None),
     ("/v1/chat/completions", {**CHAT, "presence_penalty": 3}, 400, None),
+    # 0 in float32: the repeated tokens' logits (and logprobs) would be infinite.
+    ("/v1/chat/completions", {**CHAT, "repetition_penalty": 5e-324, "logprobs": True}, 400, None),
     ("/v1/chat/completions", {**CHAT, "n": 0}, 400, None),
     ("/v1/chat/completions", {**CHAT, "n": 1000}, 400, "n"),
     ("/v1/chat/completions", {**CHAT, "stop": [""]}, 400, None),

@@ -33,7 +33,9 @@ RANGES = {
     "temperature": Range(0.0, 100.0), "top_p": Range(0.0, 1.0, open_lo=True),
     "top_k": Range(-1, INT_MAX, True),            # -1 or 0: off; at or above the vocabulary size: off too
     "min_p": Range(0.0, 1.0), "frequency_penalty": Range(-2.0, 2.0), "presence_penalty": Range(-2.0, 2.0),
-    "repetition_penalty": Range(0.0, 10.0, open_lo=True), "n": Range(1, INT_MAX, True),
+    # repetition_penalty divides a repeated token's positive logit: near 0 it rounds to 0 in float32 and sends
+    # the logit to infinity (non-finite logprobs); at 0.01 or more logits stay finite.
+    "repetition_penalty": Range(0.01, 10.0), "n": Range(1, INT_MAX, True),
     "seed": Range(-2 ** 63, 2 ** 63 - 1, True),
 }
 LOGIT_BIAS = Range(-100.0, 100.0)
