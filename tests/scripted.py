@@ -18,9 +18,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.eagle_checkpoints import make_bigram_target
-from tests.tiny import CHAT_TEMPLATE, make_model, make_tokenizer
+from tests.tiny import CHAT_TEMPLATE, TOOLS_CHAT_TEMPLATE, make_model, make_tokenizer
 
 MARGIN = 20.0        # the successor's logit; every other token's is at most about a third of it
+# A Mistral tool call after its [TOOL_CALLS] marker (make_mistral_caller).
+MISTRAL_CALL = ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 
 
 def make_scripted_model(path: Path, pieces: Sequence[str], *, special: Sequence[str] = (), end: str = "</s>",
@@ -44,6 +46,14 @@ def make_scripted_model(path: Path, pieces: Sequence[str], *, special: Sequence[
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "eos_token_id": ids[-1]}, indent=2))
     return path
+
+
+def make_mistral_caller(path: Path) -> Path:
+    """A model that answers any prompt with a Mistral call to get_weather, its [TOOL_CALLS] a special token
+    as in Mistral's tokenizers (detokenizing skips it unless special tokens are kept), under a chat
+    template that takes tools."""
+    return make_scripted_model(path, ["[TOOL_CALLS]", MISTRAL_CALL], special=["[TOOL_CALLS]"],
+                               chat_template=TOOLS_CHAT_TEMPLATE)
 
 
 def _write_script(path: Path, ids: list[int], seed: int) -> None:

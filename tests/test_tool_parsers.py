@@ -14,7 +14,7 @@ import xgrammar as xgr
 from engine.config import TOOL_CALL_PARSER_ALIASES, ServerArgs
 from engine.server.protocol import NamedToolChoice, Tool
 from engine.server.tool_calls import FORMATS, CannotConstrain, tool_format
-from tests.scripted import make_scripted_model
+from tests.scripted import MISTRAL_CALL, make_mistral_caller
 from tests.serving import serve, server_args
 from tests.tiny import TOOLS_CHAT_TEMPLATE, make_model, make_tokenizer
 
@@ -224,13 +224,9 @@ def test_a_format_without_a_tag_refuses_required_and_named_choices(model_dir):
 
 
 # Mistral's marker is a special token, as in its tokenizers: detokenizing skips it unless tools are offered.
-MISTRAL_CALL = ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
-
-
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory):
-    model = make_scripted_model(tmp_path_factory.mktemp("mistral"), ["[TOOL_CALLS]", MISTRAL_CALL],
-                                special=["[TOOL_CALLS]"], chat_template=TOOLS_CHAT_TEMPLATE)
+    model = make_mistral_caller(tmp_path_factory.mktemp("mistral"))
     with serve(server_args(model, tool_call_parser="mistral")) as live:
         yield live
 
