@@ -10,7 +10,7 @@ import json
 import openai
 import pytest
 
-from tests.scripted import make_scripted_model
+from tests.scripted import MISTRAL_CALL, make_mistral_caller, make_scripted_model
 from tests.serving import serve, server_args, sse
 from tests.tiny import TOOLS_CHAT_TEMPLATE, make_model
 
@@ -364,3 +364,26 @@ def test_enable_thinking_false_reaches_the_template_and_turns_the_reasoning_off(
     assert r.output_text == chat.choices[0].message.content
     assert r.usage.input_tokens == chat.usage.prompt_tokens > on.usage.input_tokens
     assert r.usage.output_tokens_details.reasoning_tokens == 0
+
+
+# ---------------------------------------------------------------------------------------- special-token markers
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    with serve(server_args(make_mistral_caller(tmp_path_factory.mktemp("mistral")), tool_call_parser="mistral")) as live:
+        yield openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0)
+
+
+def test_a_call_whose_marker_is_a_special_token_is_found(mistral):
+    """With tools offered the output keeps its special tokens, as on chat: the parser sees Mistral's
+    [TOOL_CALLS], whole and streamed. tool_choice none offers no tools, and the call is text without it."""
+    kw = dict(model="tiny", input="Weather in Paris?", tools=[CITY], max_output_tokens=20)
+    (call,) = mistral.responses.create(**kw).output
+    assert call.type == "function_call" and (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+    with mistral.responses.stream(**kw) as s:
+        events = list(s)
+        final = s.get_final_response()
+    assert [e.type for e in events if "text" in e.type] == []
+    (streamed,) = final.output
+    assert (streamed.type, streamed.name, streamed.arguments) == ("function_call", call.name, call.arguments)
+    plain = mistral.responses.create(**kw, tool_choice="none")
+    assert [o.type for o in plain.output] == ["message"] and plain.output_text == MISTRAL_CALL

@@ -169,6 +169,28 @@ def test_reasoning_tokens_count_the_output_up_to_the_end_of_its_reasoning(thinki
     assert r.usage.completion_tokens_details.reasoning_tokens == 4
 
 
+@pytest.fixture(scope="module")
+def closing(tmp_path_factory):
+    """deepseek-r1's template opens the thinking in the prompt: this model's output closes it at once."""
+    model = make_scripted_model(tmp_path_factory.mktemp("closing"), ["</think>", "Yes", "."])
+    with serve(server_args(model, reasoning_parser="deepseek-r1")) as s:
+        yield s
+
+
+def test_chat_and_responses_count_the_same_reasoning_tokens(thinking, closing):
+    """The Responses API counts as chat does: an output that opens with </think> was in a reasoning, its
+    end marker the one reasoning token."""
+    assert reasoning_usage(closing) == (1, 4)
+    for live in (thinking, closing):
+        chat = reasoning_usage(live)
+        whole = client(live).responses.create(model="tiny", input="hi", temperature=0)
+        with client(live).responses.stream(model="tiny", input="hi", temperature=0) as s:
+            list(s)
+            streamed = s.get_final_response()
+        for r in (whole, streamed):
+            assert (r.usage.output_tokens_details.reasoning_tokens, r.usage.output_tokens) == chat
+
+
 def test_no_reasoning_tokens_without_a_reasoning_parser(plain):
     r = client(plain).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=4, extra_body=GREEDY)

@@ -41,7 +41,7 @@ async def create_response(body: ResponsesRequest, http: HTTPRequest):
     tools = body.chat_tools() if calls else None
     sampling = body.sampling_params() | _constraint(body, tools, calls,
                                                     serving.args.constrained_json_disable_any_whitespace)
-    sampling = serving.reasoning_sampling(sampling, template_kwargs)
+    sampling = tool_calls.tool_sampling(serving.reasoning_sampling(sampling, template_kwargs), tools)
     offered = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     messages = body.messages()
     if not messages:
@@ -62,7 +62,7 @@ async def create_response(body: ResponsesRequest, http: HTTPRequest):
     if err is not None:
         raise err
     output.add(parser.feed(outs[0]["text"], final=True))
-    *_, done = output.finish(outs[0])
+    *_, done = output.finish(outs[0], parser.reasoned)
     return JSONResponse(done["response"])
 
 
@@ -119,7 +119,6 @@ class _Output:
 
     def __init__(self, body: ResponsesRequest, serving: Serving, prompt_tokens: int):
         self.prompt_tokens, self.reasoning_end = prompt_tokens, serving.reasoning_end
-        self.reasoned = False             # some output was reasoning
         self.items: list[dict] = []
         self.open: Optional[dict] = None
         self.seq = 0
@@ -157,36 +156,30 @@ class _Output:
             events += self._call(call)
         return events
 
-    def finish(self, out: dict) -> list[dict]:
+    def finish(self, out: dict, reasoned: bool) -> list[dict]:
         """The last events, ending with response.completed, or response.incomplete when the answer ran
-        out of tokens (max_output_tokens, or the context)."""
+        out of tokens (max_output_tokens, or the context); `reasoned`: the output entered a reasoning
+        (ChoiceParser.reasoned)."""
         cut = finish_type(out) == "length"
         status = "incomplete" if cut else "completed"
         events = [] if self.items or self.open else self._open("message")     # an empty answer is an empty message
         events += self._close(status)
-        done = self.response(status, usage=self._usage(out),
+        done = self.response(status, usage=self._usage(out, reasoned),
                              incomplete_details={"reason": "max_output_tokens"} if cut else None,
                              **({} if cut else {"completed_at": int(time.time())}))
         return events + [self.event(f"response.{status}", response=done)]
 
-    def _usage(self, out: dict) -> dict:
-        """The Responses API's usage, with the server's speculation figures as on chat (usage.py)."""
+    def _usage(self, out: dict, reasoned: bool) -> dict:
+        """The Responses API's usage, its reasoning tokens and the server's speculation figures counted
+        as on chat (usage.py)."""
         meta = out["meta_info"]
+        reasoning = usage.reasoning_tokens(out["output_ids"], self.reasoning_end) if reasoned else 0
         counts = {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": meta["cached_tokens"]},
                   "output_tokens": meta["completion_tokens"],
-                  "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(out["output_ids"])},
+                  "output_tokens_details": {"reasoning_tokens": reasoning},
                   "total_tokens": self.prompt_tokens + meta["completion_tokens"]}
         speculated = usage.spec([out])
         return counts | ({"spec": speculated} if speculated is not None else {})
-
-    def _reasoning_tokens(self, ids: list[int]) -> int:
-        """The output's tokens up to the end of its (first) reasoning, the marker included: all of them
-        where the reasoning never ended, none where there was none."""
-        if not self.reasoned:
-            return 0
-        end = self.reasoning_end
-        return next((i + len(end) for i in range(len(ids) - len(end) + 1) if tuple(ids[i:i + len(end)]) == end),
-                    len(ids))
 
     def failed(self, err: APIError) -> dict:
         return self.event("response.failed", response=self.response("failed", error={
@@ -197,7 +190,6 @@ class _Output:
         events = [] if self.open and self.open["type"] == kind else self._close("completed") + self._open(kind)
         item, where = self.open, self._where()
         item["content"][0]["text"] += text
-        self.reasoned = self.reasoned or kind == "reasoning"
         if kind == "message":
             return events + [self.event("response.output_text.delta", **where, delta=text, logprobs=[])]
         return events + [self.event("response.reasoning_text.delta", **where, delta=text)]
@@ -267,5 +259,5 @@ async def _events(sub: Submission, output: _Output, parser: ChoiceParser) -> Asy
             return
         for event in output.add(parser.feed(out["text"], final=finish_type(out) is not None)):
             yield event
-    for event in output.finish(sub.latest[0]):
+    for event in output.finish(sub.latest[0], parser.reasoned):
         yield event
