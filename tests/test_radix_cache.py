@@ -2,7 +2,7 @@ import random
 
 import torch
 
-from engine.memory.kv_pool import TokenSlotAllocator
+from engine.memory.slots import TokenSlotAllocator
 from engine.memory.radix_cache import RadixCache
 
 

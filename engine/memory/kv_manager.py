@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 
 from engine.memory.budget import KVBudget
-from engine.memory.kv_pool import TokenSlotAllocator
+from engine.memory.slots import TokenSlotAllocator
 from engine.memory.radix_cache import RadixCache
 from engine.memory.window_pool import SlidingLayout, WindowedSlotAllocator, WindowPool
 from engine.core.request import Request

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.memory.kv_pool import TokenSlotAllocator
+from engine.memory.slots import TokenSlotAllocator
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from engine.core.to_device import to_device
-from engine.memory.kv_pool import TokenSlotAllocator
+from engine.memory.slots import TokenSlotAllocator
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ A format reads text as a series of steps (`ToolFormat.step`), each one of:
   ("mark", str)   markup around calls (an opening marker, a separator): dropped once its region holds a
                   call, else shown as content, as written.
 The format's `state` says where it is (None: in content, anything else: inside a region of calls), so a
-region's calls go out one by one as each completes.
+region's calls go out one by one as each completes. `ToolCallParser`, the streaming parser every format
+shares, walks those steps over growing text.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import uuid
 from typing import Any, Optional, Sequence
 
 from engine.text import hold_back_stop_prefix
-from engine.server.tool_calls.parser import ToolCallParser
 
 # A JSON string (or one the text so far leaves open) or a bracket: what json_end counts brackets by.
 _JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*(?:"|$)|[\[\]{}]', re.DOTALL)
@@ -125,3 +125,51 @@ def tags_format(tools: Sequence, choice, parallel: bool, compact: bool, begin, e
 
 def structural_tag(fmt: dict) -> str:
     return json.dumps({"type": "structural_tag", "format": fmt})
+
+
+class ToolCallParser:
+    """Splits growing output text into content and tool calls. `feed` takes the whole text so far and
+    returns what it adds: (content delta, new calls); each call goes out whole, once its text is complete
+    and valid. Text that could still turn into a call is held back until it does or cannot; a call whose
+    text is not valid stays content, as written. `calls`: how many calls went out so far."""
+
+    def __init__(self, fmt: ToolFormat):
+        self.fmt = fmt
+        self.pos = 0                  # text consumed
+        self.state = None             # the format's: None in content, else inside a region of calls
+        self.marks = ""               # the markup of a region that holds no call yet
+        self.region_calls = 0
+        self.blank = ""               # whitespace since the last call
+        self.calls = 0
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
+        content, calls = [], []
+
+        def say(piece: str) -> None:
+            if self.calls and not piece.strip():
+                self.blank += piece             # whitespace after a call waits for text to go with
+            else:
+                content.append(self.blank + piece)
+                self.blank = ""
+
+        while self.pos < len(text) or self.state is not None:
+            step = self.fmt.step(text, self.pos, self.state, final)
+            if step is None:
+                break
+            kind, value, self.pos, self.state = step
+            if kind == "calls":
+                calls += value
+                self.calls += len(value)
+                self.region_calls += len(value)
+                self.marks = self.blank = ""     # the whitespace between calls is no message
+            elif kind == "mark":
+                if not self.region_calls:
+                    self.marks += value
+            else:
+                say(self.marks + value)
+                self.marks = ""
+            if self.state is None:
+                if self.marks:              # a region that closed without a call was content
+                    say(self.marks)
+                self.marks, self.region_calls = "", 0
+        return "".join(content), calls
