@@ -234,7 +234,9 @@ def _router(serving: Serving) -> APIRouter:
             prompts = await serving.tokenizer.encode(texts)
         else:
             prompts = [list(body.input_ids)] if single_ids else [list(x) for x in body.input_ids]
-        reqs = await serving.make_requests(prompts, body.sampling(), http=http, names=SAMPLING_NAMES,
+        # A Predicted Output beside sampling_params (it wins over theirs) is named where the body holds it.
+        names = SAMPLING_NAMES | ({"prediction": "prediction"} if body.prediction is not None else {})
+        reqs = await serving.make_requests(prompts, body.sampling(), http=http, names=names,
                                            default_max_tokens=SamplingParams.max_new_tokens,
                                            return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num)
         single = (single_text or single_ids) and len(reqs) == 1

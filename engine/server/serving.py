@@ -137,9 +137,10 @@ class Serving:
         for i, (ids, params) in enumerate(plan):
             try:
                 grammar = await self._compile(params, http) if params.constraint else None
+                reqs += self.engine.make_choices(ids, params, rid=f"{base}-{i}", grammar=grammar, group=base,
+                                                 **options)
             except RequestError as exc:
                 raise _renamed(exc, names) from None
-            reqs += self.engine.make_choices(ids, params, rid=f"{base}-{i}", grammar=grammar, group=base, **options)
         return reqs
 
     async def _compile(self, params: SamplingParams, http: Optional[HTTPRequest]):
