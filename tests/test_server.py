@@ -23,6 +23,7 @@ import openai
 import pytest
 
 from engine import Engine, ServerArgs
+from engine.core.sampling_params import MAX_REASONING_END
 from engine.server.limits import ReadDeadlineProtocol
 from tests.planning import untimed
 from tests.serving import Live, free_port, serve, server_args, sse
@@ -736,6 +737,9 @@ def test_openapi_offers_only_the_values_served(small):
     assert {o.get("maximum") for o in completion["max_tokens"]["anyOf"]} == {small.serving.context_len, None}
     ids = next(o for o in completion["prompt"]["anyOf"] if o.get("items", {}).get("type") == "integer")
     assert ids["items"]["maximum"] == small.serving.engine.model_config.vocab_size - 1
+    (end,) = [o for o in schemas["SGLangSampling"]["properties"]["reasoning_end"]["anyOf"] if o.get("type") == "array"]
+    assert (end["items"]["maximum"], end["maxItems"]) == (small.serving.engine.model_config.vocab_size - 1,
+                                                          MAX_REASONING_END)
     batches = [o for o in completion["prompt"]["anyOf"] if o.get("items", {}).get("type") != "integer"
                and o.get("type") == "array"]
     assert [o["maxItems"] for o in batches] == [small.serving.args.max_queued_requests] * 2
@@ -782,6 +786,7 @@ def test_max_tokens_past_what_the_prompt_leaves_ends_with_length(small):
     ("/v1/completions", "CompletionRequest", {"prompt": [1, 2.5]}),
     ("/v1/completions", "CompletionRequest", {"prompt": [1], "logit_bias": {"": None}}),
     ("/v1/completions", "CompletionRequest", {"prompt": [1], "logit_bias": {"99999999": 1.0}}),
+    ("/generate", "GenerateRequest", {"text": "hi", "sampling_params": {"regex": "a", "reasoning_end": [99999]}}),
     ("/v1/responses", "ResponsesRequest", {"input": "hi", "max_output_tokens": 65}),        # past the context
     ("/v1/responses", "ResponsesRequest", {"input": "hi", "tools": [{"type": "function", "name": "f"}]}),
 ])

@@ -100,7 +100,7 @@ def _served_limits(schemas: dict, serving: Serving) -> None:
         for option in node.get("anyOf", [node]):
             items = option.get("items", {})
             if option.get("type") == "array" and items.get("type") == "integer":
-                option["maxItems"] = context - 1
+                option["maxItems"] = min(option.get("maxItems", context - 1), context - 1)
                 items["maximum"] = vocab - 1
             elif option.get("type") == "array":
                 cap_token_ids(items)
@@ -129,6 +129,7 @@ def _served_limits(schemas: dict, serving: Serving) -> None:
     cap_token_ids(schemas["CompletionRequest"]["properties"]["prompt"])
     cap_token_ids(schemas["GenerateRequest"]["properties"]["input_ids"])
     cap_token_ids(schemas["SGLangSampling"]["properties"]["prediction"])
+    cap_token_ids(schemas["SGLangSampling"]["properties"]["reasoning_end"])
     template = getattr(serving.tokenizer.hf, "chat_template", None)
     if tool_calls.tool_format(serving.args.tool_call_parser, template) is None:
         for name in ("ChatCompletionRequest", "ResponsesRequest"):
