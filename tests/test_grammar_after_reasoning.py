@@ -23,6 +23,7 @@ from engine.errors import RequestError
 from tests.drafts import ALGOS, draft_setup
 from tests.lossless import VOCAB, chi_square_p, prompts, spec_engine
 from tests.planning import untimed
+from tests.scripted import make_scripted_model
 from tests.tiny import make_model, make_tokenizer, target_probs
 
 FREE = {"temperature": 0, "max_new_tokens": 40}
@@ -137,6 +138,42 @@ def test_a_draft_completing_a_split_end_sequence_is_verified_under_the_grammar(p
     assert boundary - 1 in lengths, "a step ended between the end sequence's second and third tokens"
     after = lengths[lengths.index(boundary - 1) + 1]
     assert after > boundary, "the next step's draft crossed the boundary and its grammar tokens were accepted"
+
+
+# A thinker's script (tests/scripted.py): its own answer follows the end of its thinking, and VERDICT forbids it.
+THINKER = ["Let", " me", " see", "</", "think", ">", "The", " answer", " is", " 4", "."]
+VERDICT = json.dumps({"type": "object", "properties": {"verdict": {"enum": ["yes", "no"]}}, "required": ["verdict"],
+                      "additionalProperties": False})
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 4), (3, 3, 8)], ids=["chain", "tree"])
+def test_ngram_drafts_past_a_learnt_answer_are_verified_under_the_grammar(shape, tmp_path):
+    """NGRAM's cache holds the script's own answer after the end sequence (learnt from free requests),
+    then the grammar's too (the first constrained round): drafts reach and cross the boundary, requests
+    batched together, each starting at another place of the script (so the end sequence is completed by
+    a draft node in some steps, by the bonus token in others), each grammar run to its end. Every output
+    is plain constrained decoding's, and a step commits across the boundary."""
+    model = make_scripted_model(tmp_path / "thinker", THINKER)
+    reference = Engine(planner=untimed, model_path=str(model), dtype="float32", max_total_tokens=8192,
+                   constrained_json_disable_any_whitespace=True)
+    (let,), (me,), (see,) = (reference.tokenizer.encode(p, add_special_tokens=False) for p in THINKER[:3])
+    end = reference.tokenizer.encode("</think>", add_special_tokens=False)
+    assert len(end) == 3, "the end sequence is three of the script's tokens"
+    # Off the script the model starts at its first token; after one of its tokens, at the next.
+    starts = [[5, 6, 7], [5, 6, let], [5, let, me], [5, 6, see]]
+    params = {"temperature": 0, "max_new_tokens": 40, "json_schema": VERDICT, "reasoning_end": end}
+    expected = [o["output_ids"] for o in reference.generate(input_ids=starts, sampling_params=params)]
+    eng = spec_engine("NGRAM", model, tmp_path, shape, constrained_json_disable_any_whitespace=True)
+    free = eng.generate(input_ids=starts, sampling_params=FREE)
+    assert all(end_of(o["output_ids"], end) < len(o["output_ids"]) for o in free), "the cache learnt an answer"
+    for _ in range(2):
+        outs = eng.generate(input_ids=starts, sampling_params=params)
+        assert [o["output_ids"] for o in outs] == expected
+        assert all(o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs)
+    got, lengths = committed_per_step(eng, starts[0], params)
+    boundary = end_of(got, end)
+    assert got == expected[0]
+    assert any(a < boundary < b for a, b in zip([0] + lengths, lengths)), "a step committed across the boundary"
 
 
 def test_tree_rows_start_the_grammar_where_a_path_completes_the_end_sequence(tmp_path):
