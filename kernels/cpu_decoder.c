@@ -62,7 +62,7 @@ int spec_decoder_layer(const struct spec_decoder_layer *L, const struct spec_dec
     uint16_t *attn = q + T * H * D, *proj = attn + T * H * D, *gate_up = proj + T * E, *act = gate_up + T * 2 * I;
     int rc;
 
-    spec_rms_norm_bf16(h, E, L->input_norm, normed, T, (int)E, S->eps, threads);
+    spec_rms_norm_bf16(h, E, L->input_norm, normed, T, (int)E, S->eps, 0, threads);
     if ((rc = spec_w4a8_linear(L->qkv, normed, 1, T, qkv, threads))) return rc;
     spec_rope_bf16(qkv, width, S->cos, S->sin, rotated, T, (int)(H + Hkv), (int)D, threads);
     const size_t row = (size_t)(Hkv * D) * sizeof(uint16_t);
@@ -77,7 +77,7 @@ int spec_decoder_layer(const struct spec_decoder_layer *L, const struct spec_dec
     if ((rc = spec_w4a8_linear(L->o, attn, 1, T, proj, threads))) return rc;
     add_bf16(h, proj, out, T * E);              /* out holds the residual stream from here on */
 
-    spec_rms_norm_bf16(out, E, L->post_norm, normed, T, (int)E, S->eps, threads);
+    spec_rms_norm_bf16(out, E, L->post_norm, normed, T, (int)E, S->eps, 0, threads);
     if ((rc = spec_w4a8_linear(L->gate_up, normed, 1, T, gate_up, threads))) return rc;
     spec_silu_mul_bf16(gate_up, act, T, (int)I, threads);
     if ((rc = spec_w4a8_linear(L->down, act, 1, T, proj, threads))) return rc;

@@ -12,9 +12,11 @@
 
 #define LANES 16
 
-/* out[t] = w * bf16(x[t] / sqrt(mean(x[t]^2) + eps)), x rows `stride` elements apart. */
+/* out[t] = w * bf16(x[t] / sqrt(mean(x[t]^2) + eps)), x rows `stride` elements apart; with `offset`
+ * (Gemma's norms, whose weight is centred on zero) out[t] = bf16(x[t] / sqrt(...) * (1 + w)), scaled in
+ * fp32 and rounded once, as transformers' Gemma norms compute it. */
 void spec_rms_norm_bf16(const uint16_t *x, int64_t stride, const uint16_t *w, uint16_t *out, int64_t T, int D,
-                        float eps, int threads) {
+                        float eps, int offset, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (T * D >= (1 << 16))
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *row = x + t * stride;
@@ -32,6 +34,11 @@ void spec_rms_norm_bf16(const uint16_t *x, int64_t stride, const uint16_t *w, ui
         for (int half = LANES / 2; half > 0; half /= 2)
             for (int l = 0; l < half; l++) lane[l] += lane[l + half];
         const float r = 1.0f / sqrtf(lane[0] / (float)D + eps);
+        if (offset) {
+            for (d = 0; d < D; d++)
+                out[t * D + d] = float_to_bf16(bf16_to_float(row[d]) * r * (1.0f + bf16_to_float(w[d])));
+            continue;
+        }
         for (d = 0; d < D; d++) {
             const float normed = bf16_to_float(float_to_bf16(bf16_to_float(row[d]) * r));
             out[t * D + d] = float_to_bf16(bf16_to_float(w[d]) * normed);

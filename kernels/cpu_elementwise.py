@@ -15,7 +15,7 @@ _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
 def _declare(library: ctypes.CDLL) -> None:
-    library.spec_rms_norm_bf16.argtypes = [_P, _I64, _P, _P, _I64, _I, _F, _I]
+    library.spec_rms_norm_bf16.argtypes = [_P, _I64, _P, _P, _I64, _I, _F, _I, _I]
     library.spec_rope_bf16.argtypes = [_P, _I64, _P, _P, _P, _I64, _I, _I, _I]
     library.spec_silu_mul_bf16.argtypes = [_P, _P, _I64, _I, _I]
     for fn in (library.spec_rms_norm_bf16, library.spec_rope_bf16, library.spec_silu_mul_bf16):
@@ -40,10 +40,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * bf16(x / sqrt(mean(x^2) + eps)) over the last dimension, x and weight bf16."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """weight * bf16(x / sqrt(mean(x^2) + eps)) over the last dimension, x and weight bf16; with `offset`
+    (Gemma's norms) bf16(x / sqrt(mean(x^2) + eps) * (1 + weight)), scaled in fp32."""
     if torch.compiler.is_compiling():
-        return torch.ops.spec.rms_norm_bf16(x, weight, eps)
+        return torch.ops.spec.rms_norm_bf16(x, weight, eps, offset)
     # Rows one stride apart: a matrix's rows as they lie (a column slice too), anything else made contiguous
     # (Qwen3's q/k heads of one token are D apart, its tokens the fused projection's width).
     if x.stride(-1) != 1 or (x.dim() > 2 and not x.is_contiguous()):
@@ -53,7 +54,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     T = out.numel() // D
     # (A size-1 dimension's stride can be anything in a contiguous tensor: only a matrix's is read.)
     library().spec_rms_norm_bf16(x.data_ptr(), x.stride(0) if x.dim() == 2 else D, weight.data_ptr(),
-                                 out.data_ptr(), T, D, eps, torch.get_num_threads())
+                                 out.data_ptr(), T, D, eps, int(offset), torch.get_num_threads())
     return out
 
 
@@ -83,12 +84,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # Opaque ops for compiled graphs (eager calls skip the dispatcher, whose cost per call adds up over a step).
 @torch.library.custom_op("spec::rms_norm_bf16", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return rms_norm(x, weight, eps)
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+    return rms_norm(x, weight, eps, offset)
 
 
 @_rms_norm_op.register_fake
-def _(x, weight, eps):
+def _(x, weight, eps, offset):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 

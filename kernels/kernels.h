@@ -15,7 +15,7 @@ struct spec_w4a8_layer {
 
 int spec_w4a8_linear(const struct spec_w4a8_layer *L, const void *x, int bf16, int64_t M, void *out, int threads);
 void spec_rms_norm_bf16(const uint16_t *x, int64_t stride, const uint16_t *w, uint16_t *out, int64_t T, int D,
-                        float eps, int threads);
+                        float eps, int offset, int threads);
 void spec_rope_bf16(const uint16_t *x, int64_t stride, const uint16_t *cos, const uint16_t *sin, uint16_t *out,
                     int64_t T, int heads, int D, int threads);
 void spec_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int I, int threads);

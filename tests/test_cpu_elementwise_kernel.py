@@ -30,6 +30,24 @@ def test_rms_norm_is_transformers_rmsnorm_in_bf16():
     assert torch.equal(cpu_elementwise.rms_norm(qkv[:, 192:768], w, 1e-5)[2], cpu_elementwise.rms_norm(qkv[2:3, 192:768], w, 1e-5)[0])
 
 
+def test_gemma_rms_norm_scales_by_one_plus_the_weight_before_rounding():
+    """offset: Gemma's x / rms * (1 + w), scaled in fp32 and rounded once (engine/models/gemma.py's
+    torch path), row by row alone, over q/k heads too."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 640, generator=g).bfloat16()
+    w = (torch.randn(640, generator=g) * 0.5).bfloat16()            # centred on zero, as Gemma stores it
+    expected = (F.rms_norm(x.float(), (640,), None, 1e-6) * (1.0 + w.float())).bfloat16()
+    y = cpu_elementwise.rms_norm(x, w, 1e-6, offset=True)
+    assert ((y.float() - expected.float()).abs() <= expected.float().abs() * 2 ** -7).all()
+    assert not torch.equal(y, cpu_elementwise.rms_norm(x, w, 1e-6))         # not Llama's w * bf16(normed)
+    assert torch.equal(cpu_elementwise.rms_norm(x[2:3], w, 1e-6, offset=True), y[2:3])
+    heads = torch.randn(3, 4, 64, generator=g).bfloat16()
+    w64 = (torch.randn(64, generator=g) * 0.5).bfloat16()
+    expected = (F.rms_norm(heads.float(), (64,), None, 1e-6) * (1.0 + w64.float())).bfloat16()
+    y = cpu_elementwise.rms_norm(heads, w64, 1e-6, offset=True)
+    assert ((y.float() - expected.float()).abs() <= expected.float().abs() * 2 ** -7).all()
+
+
 def test_rope_rotates_a_column_slice_as_torch_does():
     from engine.models.llama import Rotary
 
