@@ -31,7 +31,7 @@ from engine.server.protocol import CompletionRequest, GenerateRequest
 SMALL_BYTES = 64 * 1024
 # Children, each parsing one body at a time: a few large bodies at once go side by side. They run at a
 # lower priority: on a machine short of cores, the event loop and the engine come first.
-WORKERS, NICENESS = 2, 10
+WORKERS, NICENESS = 2, 19
 # The fields that hold token-id prompts, by request model.
 PROMPT_IDS = {CompletionRequest: "prompt", GenerateRequest: "input_ids"}
 TOO_DEEP = "The request body nests objects and arrays too deeply to parse; flatten it."
