@@ -259,8 +259,9 @@ class ServerArgs:
         "thinking.", group="Chat", choices=("deepseek-r1", "deepseek-v3", "qwen3", "qwen3-thinking", "gpt-oss")))
     tool_call_parser: Optional[str] = field(default=None, metadata=opt(
         "Format of the model's tool calls (SGLang's parser names; qwen and hermes are qwen25's <tool_call> "
-        "blocks). Default: read from the chat template (<tool_call> blocks), else tools are refused.", group="Chat",
-        choices=("qwen25", "llama3", "mistral", "deepseekv3", "pythonic", "gpt-oss")))
+        "blocks). Default: read from the chat template (qwen3_coder's or qwen25's <tool_call> blocks), else tools "
+        "are refused.", group="Chat",
+        choices=("qwen25", "qwen3_coder", "llama3", "mistral", "deepseekv3", "pythonic", "gpt-oss")))
 
     # --- Compilation and CUDA graphs ----------------------------------------------------------------
     enable_torch_compile: bool = field(default=False, metadata=opt(

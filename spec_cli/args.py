@@ -33,6 +33,8 @@ CONFIG_HELP = ("YAML or JSON file of options (keys as flags or snake_case, e.g. 
                "writes). Flags given on the command line override its values.")
 # Choices matched without regard to case; their extra accepted spellings (SGLang's NEXTN = MTP).
 CASE_INSENSITIVE = frozenset({"speculative_algorithm"})
+# The width --help is kept to: a flag's line that would pass it names its choices in the help instead.
+HELP_WIDTH = 80
 EXTRA_CHOICES: dict[str, tuple[str, ...]] = {"speculative_algorithm": tuple(SPECULATIVE_ALGORITHM_ALIASES),
                                               "tool_call_parser": TOOL_CALL_PARSER_ALIASES}
 
@@ -70,14 +72,18 @@ def _option_parameter(f: dataclasses.Field) -> inspect.Parameter:
     annotation = Optional[base] if optional else base
     main = flag_name(f.name)
     decls = [main, *(s for s in meta.get("flags", ()) if s != main)]  # a bool with one name: an on-switch
+    # Typer would list case-insensitive choices in lower case, and the extra spellings too.
+    metavar = (("[" + "|".join(shown) + "]") if shown and f.name in CASE_INSENSITIVE
+               else ("<" + "|".join(shown) + ">") if f.name in EXTRA_CHOICES else None)
+    help = meta["help"]
+    if metavar and len(f"  {', '.join(decls)} {metavar}") > HELP_WIDTH:    # the choices move into the help
+        metavar, help = "NAME", f"{help} One of: {', '.join(shown)}."
     info = typer.Option(
         *decls,
-        help=escape(meta["help"]),
+        help=escape(help),
         rich_help_panel=meta.get("group") or None,
         case_sensitive=f.name not in CASE_INSENSITIVE,
-        # Typer would list case-insensitive choices in lower case, and the extra spellings too.
-        metavar=("[" + "|".join(shown) + "]") if shown and f.name in CASE_INSENSITIVE
-        else ("<" + "|".join(shown) + ">") if f.name in EXTRA_CHOICES else None,
+        metavar=metavar,
         show_default=base is not bool,
     )
     default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]

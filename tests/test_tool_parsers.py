@@ -14,7 +14,7 @@ import xgrammar as xgr
 from engine.config import TOOL_CALL_PARSER_ALIASES, ServerArgs
 from engine.server.protocol import NamedToolChoice, Tool
 from engine.server.tool_calls import FORMATS, CannotConstrain, tool_format
-from tests.scripted import MISTRAL_CALL, make_mistral_caller
+from tests.scripted import MISTRAL_CALL, make_mistral_caller, make_scripted_model
 from tests.serving import serve, server_args
 from tests.tiny import TOOLS_CHAT_TEMPLATE, make_model, make_tokenizer
 
@@ -26,6 +26,20 @@ def ds_call(name: str, arguments: str) -> str:
 
 
 HARMONY_CALL = "<|channel|>commentary to=functions.{} <|constrain|>json<|message|>{}<|call|>"
+
+
+def coder_call(name: str, **params: str) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+# A template that shows Qwen3-Coder's calls, for the format read from it.
+CODER_TEMPLATE = TOOLS_CHAT_TEMPLATE.replace('{"name": ..., "arguments": ...}',
+                                             "<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>")
+# The offered tools' parameter schemas every parser is given: qwen3_coder types its text values by them.
+SCHEMAS = {"f": {"type": "object", "properties": {
+    "n": {"type": "integer"}, "x": {"type": "number"}, "on": {"type": "boolean"}, "o": {"type": "object"},
+    "s": {"type": "string"}, "l": {"type": ["array", "null"]}, "any": {"type": "custom"}, "t": {"description": "no type"}}}}
 
 # (format, model text, content, calls as (name, arguments)).
 CASES = [
@@ -74,6 +88,19 @@ CASES = [
      + "<|start|>assistant" + HARMONY_CALL.format("g", '{"a": 1}'), "", [("f", {}), ("g", {"a": 1})]),
     ("gpt-oss", "<|channel|>final<|message|>Hi", "<|channel|>final<|message|>Hi", []),
     ("gpt-oss", HARMONY_CALL.format("f", "{oops"), HARMONY_CALL.format("f", "{oops"), []),
+    ("qwen3_coder", coder_call("f", n="3", x="2.5", on="true", o='{"a": [1]}', s="line 1\nline 2\n", more="42"),
+     "", [("f", {"n": 3, "x": 2.5, "on": True, "o": {"a": [1]}, "s": "line 1\nline 2\n", "more": "42"})]),
+    ("qwen3_coder", coder_call("f", n="x3", x="4", on="maybe", o="[1, 2", l="[1, 2]", any='{"k": 1}', t="7",
+                                   s="null"), "",
+     [("f", {"n": "x3", "x": 4, "on": "maybe", "o": "[1, 2", "l": [1, 2], "any": {"k": 1}, "t": "7", "s": None})]),
+    ("qwen3_coder", "Sure.\n" + coder_call("f", x="1e3", any="a <b>") + "\n" + coder_call("g", n="5") + "\nDone.",
+     "Sure.\n\nDone.", [("f", {"x": 1000.0, "any": "a <b>"}), ("g", {"n": "5"})]),
+    ("qwen3_coder", "<tool_call><function=g></function></tool_call>", "", [("g", {})]),
+    ("qwen3_coder", "a " + coder_call("f", n="1")[:-5], "a " + coder_call("f", n="1")[:-5], []),
+    ("qwen3_coder", "<tool_call>\n<function=f>\nno parameters\n</function>\n</tool_call> ok",
+     "<tool_call>\n<function=f>\nno parameters\n</function>\n</tool_call> ok", []),
+    ("qwen3_coder", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+     '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', []),
 ]
 
 
@@ -83,7 +110,7 @@ def named(calls: list[dict]) -> list[tuple]:
 
 
 def streamed(fmt, chunks: list[str]) -> tuple[str, list[dict], int]:
-    parser, content, calls, text = fmt.parser(), "", [], ""
+    parser, content, calls, text = fmt.parser(SCHEMAS), "", [], ""
     for i, chunk in enumerate(chunks):
         text += chunk
         delta, new = parser.feed(text, final=i == len(chunks) - 1)
@@ -94,7 +121,7 @@ def streamed(fmt, chunks: list[str]) -> tuple[str, list[dict], int]:
 @pytest.mark.parametrize("name,text,content,calls", CASES)
 def test_whole_and_streamed_over_every_split(name, text, content, calls):
     fmt = FORMATS[name]
-    whole_content, whole_calls = fmt.parser().feed(text, final=True)
+    whole_content, whole_calls = fmt.parser(SCHEMAS).feed(text, final=True)
     assert (whole_content, named(whole_calls)) == (content, calls)
     splits = [[text[:i], text[i:]] for i in range(1, len(text))] + [list(text)]
     for chunks in splits:
@@ -116,6 +143,7 @@ def test_formats_by_name_and_from_the_template():
     assert tool_format(None, "{{ messages }}") is None and tool_format(None, None) is None
     assert tool_format("llama3", TOOLS_CHAT_TEMPLATE).name == "llama3"
     assert tool_format("qwen", None) is tool_format("hermes", None) is FORMATS["qwen25"]
+    assert tool_format(None, CODER_TEMPLATE).name == "qwen3_coder"
     # The flag's choices and the aliases it accepts are exactly the formats' names.
     flag = next(f for f in dataclasses.fields(ServerArgs) if f.name == "tool_call_parser")
     assert set(flag.metadata["choices"]) | set(TOOL_CALL_PARSER_ALIASES) == set(FORMATS)
@@ -174,9 +202,10 @@ def test_structural_tags_compile_and_hold_what_the_parser_reads(name, compiler):
     assert fmt.parser().feed(two, final=True)[0] == ""
 
 
-def test_pythonic_cannot_be_constrained():
-    with pytest.raises(CannotConstrain, match="pythonic"):
-        FORMATS["pythonic"].structural_tag([WEATHER], "required", True)
+@pytest.mark.parametrize("name", ["pythonic", "qwen3_coder"])
+def test_formats_without_a_tag_cannot_be_constrained(name):
+    with pytest.raises(CannotConstrain, match=name):
+        FORMATS[name].structural_tag([WEATHER], "required", True)
 
 
 # ---------------------------------------------------------------------------------------- live server
@@ -258,3 +287,37 @@ def test_a_matched_stop_token_is_trimmed_from_the_text_unless_no_stop_trim(mistr
             "temperature": 0, "skip_special_tokens": False, "no_stop_trim": no_stop_trim}}).json()
     assert out["text"] == "[TOOL_CALLS]" + MISTRAL_CALL + ("</s>" if no_stop_trim else "")
     assert out["meta_info"]["finish_reason"]["type"] == "stop" and len(out["output_ids"]) == 3
+
+
+# Qwen3-Coder's calls write values as text: the request's tool schemas type them, on both APIs.
+FORECAST = {"name": "get_forecast", "parameters": {"type": "object", "properties": {"days": {"type": "integer"}}}}
+
+
+@pytest.fixture(scope="module")
+def coder(tmp_path_factory):
+    pieces = ["<tool_call>", "<function=get_forecast>", "<parameter=days>", "3", "</parameter>", "</function>",
+              "</tool_call>"]
+    model = make_scripted_model(tmp_path_factory.mktemp("coder"), pieces, chat_template=CODER_TEMPLATE)
+    with serve(server_args(model)) as live:             # no --tool-call-parser: the template names the format
+        yield live
+
+
+def test_qwen3_coder_calls_take_their_types_from_the_tools(coder):
+    client = openai.OpenAI(base_url=f"{coder.url}/v1", api_key="none", max_retries=0)
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Forecast?"}], temperature=0, max_tokens=20,
+              tools=[{"type": "function", "function": FORECAST}])
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+    assert named([c.model_dump() for c in choice.message.tool_calls]) == [("get_forecast", {"days": 3})]
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [("get_forecast", {"days": 3})]
+    with coder.http() as h:
+        out = h.post("/v1/responses", json={"input": "Forecast?", "temperature": 0, "max_output_tokens": 20,
+                                            "tools": [{"type": "function", **FORECAST}]}).json()
+        (item,) = out["output"]
+        assert (item["type"], item["name"], json.loads(item["arguments"])) == ("function_call", "get_forecast",
+                                                                              {"days": 3})
+        # Its tags hold no JSON schema, so no call can be forced.
+        r = h.post("/v1/chat/completions", json={**kw, "tool_choice": "required"})
+        assert r.status_code == 400 and "qwen3_coder" in r.json()["error"]["message"]

@@ -28,12 +28,15 @@ class ChoiceParser:
     request's chat_template_kwargs (they say whether it thinks); stream_reasoning false: each stretch of
     reasoning is sent whole, once it closes or the output ends inside it; separate false
     (separate_reasoning): the reasoning stays in the content, as written, and is only followed, for
-    `reasoned`."""
+    `reasoned`; offered: the request's tools (chat shape), whose parameter schemas type the arguments
+    of a format that writes them as text."""
 
     def __init__(self, reasoning: Optional[ReasoningFormat], tools: Optional[ToolFormat],
-                 template_kwargs: Optional[dict] = None, stream_reasoning: bool = True, separate: bool = True):
+                 template_kwargs: Optional[dict] = None, stream_reasoning: bool = True, separate: bool = True,
+                 offered: Optional[list] = None):
         self.reasoning = reasoning.parser(template_kwargs or {}) if reasoning else None
-        self.tools = tools.parser() if tools else None
+        schemas = {t.function.name: t.function.parameters for t in offered or ()}
+        self.tools = tools.parser(schemas) if tools else None
         self.stream_reasoning, self.separate = stream_reasoning, separate
         self.answer = ""              # the text after the reasoning so far: what the tool-call parser reads
         self.held = ""                # reasoning not sent yet (stream_reasoning false)

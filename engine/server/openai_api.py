@@ -55,7 +55,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
                                        http=http, return_logprob=bool(body.logprobs),
                                        top_logprobs_num=body.top_logprobs or 0)
     parsers = [ChoiceParser(serving.reasoning, calls if tools else None, template_kwargs, body.stream_reasoning,
-                            body.separate_reasoning) for _ in reqs]
+                            body.separate_reasoning, tools) for _ in reqs]
     shape = _Shape("chatcmpl", "chat.completion", serving, [len(prompt)], bool(body.logprobs), parsers=parsers,
                    reasoning=serving.reasoning is not None and body.separate_reasoning)
     return await _respond(serving, http, reqs, body.stream, body.include_usage, shape, [""] * len(reqs))

@@ -51,7 +51,8 @@ async def create_response(body: ResponsesRequest, http: HTTPRequest):
     prompt = await serving.chat_prompt(messages, offered, template_kwargs)
     reqs = await serving.make_requests([prompt], sampling, default_max_tokens=serving.context_len, names=NAMES,
                                        http=http)
-    output, parser = _Output(body, serving, len(prompt)), ChoiceParser(serving.reasoning, calls, template_kwargs)
+    output = _Output(body, serving, len(prompt))
+    parser = ChoiceParser(serving.reasoning, calls, template_kwargs, offered=tools)
     sub = serving.submit(reqs)
     if body.stream:
         return serving.stream(sub, _events(sub, output, parser), named=True)

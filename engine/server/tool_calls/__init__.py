@@ -16,20 +16,24 @@ from engine.server.tool_calls.hermes import Hermes, template_speaks_hermes
 from engine.server.tool_calls.llama3 import Llama3
 from engine.server.tool_calls.mistral import Mistral
 from engine.server.tool_calls.pythonic import Pythonic
+from engine.server.tool_calls.qwen3_coder import Qwen3Coder, template_speaks_qwen3_coder
 
 # --tool-call-parser's names, SGLang's: "qwen" and "hermes" name the same <tool_call> blocks as "qwen25".
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Llama3(), Mistral(), DeepSeekV3(), Pythonic(),
-                                                      Harmony())}
+                                                      Harmony(), Qwen3Coder())}
 FORMATS |= {"qwen": FORMATS["qwen25"], "hermes": FORMATS["qwen25"]}
 
 __all__ = ["CannotConstrain", "FORMATS", "ToolFormat", "tool_format", "tool_sampling"]
 
 
 def tool_format(name: Optional[str], chat_template: Optional[str]) -> Optional[ToolFormat]:
-    """The format --tool-call-parser names, else the one the chat template writes calls in (Hermes
-    <tool_call> blocks), else None: the model has no tool calls this server can read."""
+    """The format --tool-call-parser names, else the one the chat template writes calls in (Qwen3-Coder's
+    <function=...> tags or Hermes <tool_call> blocks), else None: the model has no tool calls this server
+    can read."""
     if name is not None:
         return FORMATS[name]
+    if template_speaks_qwen3_coder(chat_template):
+        return FORMATS["qwen3_coder"]
     return FORMATS["qwen25"] if template_speaks_hermes(chat_template) else None
 
 

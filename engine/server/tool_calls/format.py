@@ -35,8 +35,9 @@ class ToolFormat:
     # Strings that open a call or a region of calls; text that could still become one is held back.
     openers: Sequence[str] = ()
 
-    def parser(self) -> ToolCallParser:
-        """A parser for one choice's output."""
+    def parser(self, tools: Optional[dict] = None) -> ToolCallParser:
+        """A parser for one choice's output; `tools`: the offered functions' parameter schemas by name,
+        which type the arguments of a format that writes them as text (the others need none)."""
         return ToolCallParser(self)
 
     def structural_tag(self, tools: Sequence, choice, parallel: bool, compact: bool = False) -> str:
