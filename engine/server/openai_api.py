@@ -41,8 +41,10 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     if body.max_completion_tokens is not None and body.max_tokens is not None:
         serving.check_max_tokens(body.max_tokens, "max_tokens")    # the one not used is still checked
     template_kwargs = body.chat_template_kwargs or {}
-    calls = tool_calls.tool_format(serving.args.tool_call_parser, getattr(serving.tokenizer.hf, "chat_template", None))
-    tools = _offered_tools(body, serving, calls)
+    named = body.tool_choice.function.name if body.tool_choice not in (None, "none", "auto", "required") else None
+    calls = offered_tool_format(serving, [t.function.name for t in body.tools] if body.tools else None,
+                                body.tool_choice, named)
+    tools = body.tools if calls else None
     compact = serving.args.constrained_json_disable_any_whitespace
     sampling = body.sampling_params(body.max_completion_tokens or body.max_tokens) | _constraint(body, tools, calls,
                                                                                                  compact)
@@ -54,34 +56,36 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     reqs = await serving.make_requests([prompt], sampling, default_max_tokens=serving.context_len, names=names,
                                        http=http, return_logprob=bool(body.logprobs),
                                        top_logprobs_num=body.top_logprobs or 0)
-    parsers = [ChoiceParser(serving.reasoning, calls if tools else None, template_kwargs, body.stream_reasoning,
+    parsers = [ChoiceParser(serving.reasoning, calls, template_kwargs, body.stream_reasoning,
                             body.separate_reasoning, tools) for _ in reqs]
     shape = _Shape("chatcmpl", "chat.completion", serving, [len(prompt)], bool(body.logprobs), parsers=parsers,
                    reasoning=serving.reasoning is not None and body.separate_reasoning)
     return await _respond(serving, http, reqs, body.stream, body.include_usage, shape, [""] * len(reqs))
 
 
-def _offered_tools(body: ChatCompletionRequest, serving: Serving, calls: Optional[ToolFormat]) -> Optional[list]:
-    """The tools the prompt offers (None: none), after checking tools and tool_choice against the
-    format the model writes `calls` in."""
-    choice = body.tool_choice
-    if not body.tools:
+def offered_tool_format(serving: Serving, names: Optional[list[str]], choice, named: Optional[str],
+                        code: Optional[str] = None) -> Optional[ToolFormat]:
+    """The format the model writes tool calls in when a request offers tools (None: it offers none, or
+    tool_choice is "none"), after checking the tools' `names` (None: no tools), tool_choice and the
+    function it `named` (None: none named); `code`: the route's error code for a bad value. Chat
+    completions and the Responses API alike."""
+    if not names:
         if choice not in (None, "none"):
-            raise APIError(400, "tool_choice needs tools to choose from.", param="tool_choice")
+            raise APIError(400, "tool_choice needs tools to choose from.", param="tool_choice", code=code)
         return None
     if choice == "none":
         return None
+    calls = tool_calls.tool_format(serving.args.tool_call_parser, getattr(serving.tokenizer.hf, "chat_template", None))
     if calls is None:
-        raise APIError(400, f"The model {serving.model_name!r} has no chat template for tools in the Qwen/Hermes "
-                            "<tool_call> format, and no --tool-call-parser names another; leave tools out.",
-                       param="tools", code="unsupported_parameter")
-    names = [t.function.name for t in body.tools]
+        raise APIError(400, f"The model {serving.model_name!r} has no chat template for tools in a format this "
+                            "server parses (see --tool-call-parser); leave tools out.", param="tools",
+                       code="unsupported_parameter")
     if len(set(names)) < len(names):
-        raise APIError(400, "Tool names must be unique.", param="tools")
-    if choice not in (None, "auto", "required") and choice.function.name not in names:
-        raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools.",
-                       param="tool_choice")
-    return body.tools
+        raise APIError(400, "Tool names must be unique.", param="tools", code=code)
+    if named is not None and named not in names:
+        raise APIError(400, f"tool_choice names {named!r}, which is not among the tools.", param="tool_choice",
+                       code=code)
+    return calls
 
 
 def _constraint(body: ChatCompletionRequest, tools: Optional[list], calls: Optional[ToolFormat], compact: bool) -> dict:

@@ -19,7 +19,7 @@ from engine.server.choice_output import ChoiceParser, Delta
 from engine.server.engine_loop import Submission, finish_type
 from engine.server.errors import APIError, error_responses
 from engine.server.limits import JSONBodyRoute
-from engine.server.openai_api import ANY_OBJECT, STREAMED
+from engine.server.openai_api import ANY_OBJECT, STREAMED, offered_tool_format
 from engine.server.protocol import Tool
 from engine.server.responses_protocol import FunctionChoice, ResponsesRequest
 from engine.server.serving import Serving, engine_abort
@@ -37,7 +37,9 @@ async def create_response(body: ResponsesRequest, http: HTTPRequest):
     or, with `"stream": true`, as server-sent events. Nothing is stored."""
     serving: Serving = http.app.state.serving
     template_kwargs = body.chat_template_kwargs or {}
-    calls = _tool_format(body, serving)
+    calls = offered_tool_format(serving, [t.name for t in body.tools] if body.tools else None, body.tool_choice,
+                                body.tool_choice.name if isinstance(body.tool_choice, FunctionChoice) else None,
+                                code="invalid_value")
     tools = body.chat_tools() if calls else None
     sampling = body.sampling_params() | _constraint(body, tools, calls,
                                                     serving.args.constrained_json_disable_any_whitespace)
@@ -65,30 +67,6 @@ async def create_response(body: ResponsesRequest, http: HTTPRequest):
     output.add(parser.feed(outs[0]["text"], final=True))
     *_, done = output.finish(outs[0], parser.reasoned)
     return JSONResponse(done["response"])
-
-
-def _tool_format(body: ResponsesRequest, serving: Serving) -> Optional[ToolFormat]:
-    """The format of the model's tool calls when the prompt offers tools (None: it offers none), after
-    checking tools and tool_choice."""
-    choice = body.tool_choice
-    if not body.tools:
-        if choice not in (None, "none"):
-            raise APIError(400, "tool_choice needs tools to choose from.", param="tool_choice", code="invalid_value")
-        return None
-    if choice == "none":
-        return None
-    calls = tool_calls.tool_format(serving.args.tool_call_parser, getattr(serving.tokenizer.hf, "chat_template", None))
-    if calls is None:
-        raise APIError(400, f"The model {serving.model_name!r} has no chat template for tools in a format this "
-                            "server parses (see --tool-call-parser); leave tools out.", param="tools",
-                       code="unsupported_parameter")
-    names = [t.name for t in body.tools]
-    if len(set(names)) < len(names):
-        raise APIError(400, "Tool names must be unique.", param="tools", code="invalid_value")
-    if isinstance(choice, FunctionChoice) and choice.name not in names:
-        raise APIError(400, f"tool_choice names {choice.name!r}, which is not among the tools.", param="tool_choice",
-                       code="invalid_value")
-    return calls
 
 
 def _constraint(body: ResponsesRequest, tools: Optional[list[Tool]], calls: Optional[ToolFormat],
