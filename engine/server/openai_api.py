@@ -88,17 +88,24 @@ def offered_tool_format(serving: Serving, names: Optional[list[str]], choice, na
     return calls
 
 
+def tool_constraint(calls: Optional[ToolFormat], tools: Optional[list], choice, parallel: bool, compact: bool,
+                    code: Optional[str] = None) -> dict:
+    """The structural tag that tool_choice "required" or a named function holds the answer to, in the
+    model's own format `calls` (none for "auto", or without tools), as SGLang sampling params; a format
+    that cannot be constrained is a 400 (`code`: the route's)."""
+    if not tools or choice in (None, "auto"):
+        return {}
+    try:
+        return {"structural_tag": calls.structural_tag(tools, choice, parallel, compact)}
+    except tool_calls.CannotConstrain as exc:
+        raise APIError(400, str(exc), param="tool_choice", code=code) from None
+
+
 def _constraint(body: ChatCompletionRequest, tools: Optional[list], calls: Optional[ToolFormat], compact: bool) -> dict:
     """The grammar that response_format or tool_choice asks for, as SGLang sampling params."""
     fmt, choice = body.response_format, body.tool_choice
     if fmt is None or fmt.type == "text":
-        if not tools or choice in (None, "auto"):
-            return {}
-        try:
-            return {"structural_tag": calls.structural_tag(tools, choice, body.parallel_tool_calls is not False,
-                                                           compact)}
-        except tool_calls.CannotConstrain as exc:
-            raise APIError(400, str(exc), param="tool_choice") from None
+        return tool_constraint(calls, tools, choice, body.parallel_tool_calls is not False, compact)
     if tools:
         raise APIError(400, "response_format cannot be combined with tools here: a JSON answer rules out tool "
                             "calls. Pass tool_choice 'none', or leave one of them out.", param="response_format")

@@ -19,11 +19,11 @@ from engine.server.choice_output import ChoiceParser, Delta
 from engine.server.engine_loop import Submission, finish_type
 from engine.server.errors import APIError, error_responses
 from engine.server.limits import JSONBodyRoute
-from engine.server.openai_api import ANY_OBJECT, STREAMED, offered_tool_format
+from engine.server.openai_api import ANY_OBJECT, STREAMED, offered_tool_format, tool_constraint
 from engine.server.protocol import Tool
 from engine.server.responses_protocol import FunctionChoice, ResponsesRequest
 from engine.server.serving import Serving, engine_abort
-from engine.server.tool_calls import CannotConstrain, ToolFormat
+from engine.server.tool_calls import ToolFormat
 
 router = APIRouter(route_class=JSONBodyRoute)
 
@@ -75,13 +75,8 @@ def _constraint(body: ResponsesRequest, tools: Optional[list[Tool]], calls: Opti
     prompt offers, None: none; `calls`: the format the model writes calls in)."""
     text_kind = body.text.format.type if body.text and body.text.format else "text"
     if text_kind == "text":
-        if tools is None or body.tool_choice in (None, "auto"):
-            return {}
-        parallel = body.parallel_tool_calls is not False
-        try:
-            return {"structural_tag": calls.structural_tag(tools, body.chat_tool_choice(), parallel, compact)}
-        except CannotConstrain as exc:
-            raise APIError(400, str(exc), param="tool_choice", code="unsupported_parameter") from None
+        return tool_constraint(calls, tools, body.chat_tool_choice(), body.parallel_tool_calls is not False, compact,
+                               code="unsupported_parameter")
     if tools is not None:
         raise APIError(400, "A JSON text.format cannot be combined with tools here: a JSON answer rules out tool "
                             "calls. Pass tool_choice 'none', or leave one of them out.", param="text.format",
