@@ -43,17 +43,18 @@ def tiny_llama(vocab_size: int, tie: bool = False, hidden_size: int = 64, interm
 
 # llama.cpp's architecture for each model type it writes: Mixtral is "llama" with experts.
 GGUF_ARCHS = {"llama": "llama", "mixtral": "llama", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
-              "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+              "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "gpt_oss": "gpt-oss"}
 
 
 def write_tiny_gguf(path: Path, model, tokenizer, linear_types: dict[str, str] | None = None,
                     stacked: bool = True) -> None:
     """Write `model` (of a type in GGUF_ARCHS) as llama.cpp's convert_hf_to_gguf.py would: F32 tensors (or,
     for the decoder's linears named in linear_types, e.g. {"q_proj": "Q4_1"}, that GGUF quantization;
-    "gate_proj", "up_proj" and "down_proj" name the experts' too), a Llama's Q/K rows permuted, Gemma's
-    norm weights stored as 1 + w, experts stacked into one tensor per projection (not `stacked`: a tensor
-    per expert, as Mixtral files were written before April 2024), the family's header (head size,
-    windows, soft-caps, RoPE scaling, expert counts and sizes) and Phi-3's LongRoPE factors as tensors."""
+    "gate_proj", "up_proj" and "down_proj" name the experts' too, MXFP4 among their types), a Llama's Q/K
+    rows permuted, Gemma's norm weights stored as 1 + w, experts stacked into one tensor per projection
+    (not `stacked`: a tensor per expert, as Mixtral files were written before April 2024; GPT-OSS's
+    interleaved gate and up parted), the family's header (head size, windows, soft-caps, RoPE scaling,
+    expert counts and sizes) and Phi-3's LongRoPE factors as tensors."""
     import gguf
 
     config = model.config
@@ -62,7 +63,7 @@ def write_tiny_gguf(path: Path, model, tokenizer, linear_types: dict[str, str] |
     writer.add_name(f"tiny {arch}")
     _write_header(writer, config, arch)
     _write_vocab(writer, tokenizer, config.pad_token_id)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper().replace("-", "_")], config.num_hidden_layers)
     for hf_name, tensor in model.named_parameters():  # a tied lm_head once, as llama.cpp writes it
         for name, data, part in _gguf_tensors(hf_name, tensor.detach().float().numpy(), config, arch, names, stacked):
             kind = (linear_types or {}).get(part)
@@ -95,10 +96,10 @@ def _write_header(writer, config, arch: str) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     writer.add_rope_freq_base(rope["rope_theta"])
-    if arch in ("gemma2", "gemma3", "qwen3moe"):
+    if arch in ("gemma2", "gemma3", "qwen3moe", "gpt-oss"):
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
-    if arch in ("gemma2", "gemma3"):
+    if arch in ("gemma2", "gemma3", "gpt-oss"):
         writer.add_sliding_window(config.sliding_window)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
@@ -106,6 +107,12 @@ def _write_header(writer, config, arch: str) -> None:
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     if arch == "phi3":          # a window of 0: none (Phi-4)
         writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
         writer.add_sliding_window(config.sliding_window or 0)
@@ -115,8 +122,8 @@ def _write_header(writer, config, arch: str) -> None:
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-    if getattr(config, "moe_intermediate_size", None):
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, "moe_intermediate_size", None) or arch == "gpt-oss":
+        writer.add_expert_feed_forward_length(getattr(config, "moe_intermediate_size", config.intermediate_size))
     if getattr(config, "shared_expert_intermediate_size", None):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -145,6 +152,9 @@ def _gguf_tensors(hf_name: str, data: np.ndarray, config, arch: str, names, stac
     """(GGUF name, data, the linear's part name or None) of one transformers parameter, as llama.cpp
     writes it: transformers' experts [E, 2I, H] and [E, H, I] as ffn_{gate,up,down}_exps [E, rows, K], or
     not `stacked` ffn_{gate,up,down}.{e} [rows, K]."""
+    if arch == "gpt-oss" and ".experts." in hf_name:
+        yield from _gpt_oss_experts(hf_name, data)
+        return
     base, suffix = hf_name.rsplit(".", 1) if hf_name.endswith((".weight", ".bias")) else (hf_name, "weight")
     part = base.split(".")[-1]
     if base.endswith(("experts.gate_up_proj", "experts.down_proj")):
@@ -166,6 +176,19 @@ def _gguf_tensors(hf_name: str, data: np.ndarray, config, arch: str, names, stac
     elif part == "shared_expert_gate":
         data = data[0]              # [1, H] stored as [H]
     yield f"{names.get_name(base)}.{suffix}", data, part if suffix == "weight" else None
+
+
+def _gpt_oss_experts(hf_name: str, data: np.ndarray):
+    """GPT-OSS's stacked experts ([experts, in, out], gate and up outputs alternating; biases [experts,
+    out]) as llama.cpp writes them: ffn_{gate,up,down}_exps [experts, out, in] and their biases."""
+    layer, last = hf_name.split(".")[2], hf_name.rsplit(".", 1)[1]
+    proj, suffix = last.removesuffix("_bias"), "bias" if last.endswith("_bias") else "weight"
+    if suffix == "weight":
+        data = data.swapaxes(1, 2)
+    parts = {"gate": data[:, 0::2], "up": data[:, 1::2]} if proj == "gate_up_proj" else {"down": data}
+    for which, t in parts.items():
+        yield f"blk.{layer}.ffn_{which}_exps.{suffix}", np.ascontiguousarray(t), \
+            f"{which}_proj" if suffix == "weight" else None
 
 
 def quantize_k(w: np.ndarray, bits: int = 4) -> np.ndarray:
@@ -211,11 +234,17 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
 
 def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """Raw blocks of a [rows, cols] tensor: quantized from random weights, or for the K types (which
-    gguf-py cannot quantize) random bytes, every one a valid block with finite fp16 scales."""
+    gguf-py cannot quantize) random bytes, every one a valid block with finite fp16 scales; MXFP4 random
+    bytes, exponents from the subnormal 2^-127 up to 2^120."""
     import gguf
 
     rng = np.random.default_rng(seed)
     kind_enum = gguf.GGMLQuantizationType[kind]
+    if kind == "MXFP4":
+        blocks = rng.integers(0, 256, (rows * cols // 32, 17), dtype=np.uint8)
+        blocks[:, 0] = rng.integers(0, 248, len(blocks))
+        blocks[:4, 0] = [0, 1, 2, 247]
+        return blocks.reshape(rows, -1)
     if kind not in ("Q4_K", "Q5_K", "Q6_K"):
         return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), kind_enum)
     size, scales = {"Q4_K": (144, slice(0, 4)), "Q5_K": (176, slice(0, 4)), "Q6_K": (210, slice(208, 210))}[kind]

@@ -1,10 +1,10 @@
 """GGUF files of the families llama.cpp writes beyond Llama and Gemma (Phi-3, Qwen2-MoE, Qwen3-MoE, OLMoE,
-and Mixtral, which llama.cpp writes as "llama" with experts): a tiny random checkpoint made by
+GPT-OSS, and Mixtral, which llama.cpp writes as "llama" with experts): a tiny random checkpoint made by
 transformers' own class, written as llama.cpp's convert_hf_to_gguf.py writes it (tests/gguf_files.py:
 fused q/k/v and gate/up for Phi-3 with its LongRoPE factors as tensors, experts stacked into one tensor
-per projection, Qwen2-MoE's shared expert), serves as the checkpoint it was written from; with Q4_0/Q8_0
-MLPs and experts it keeps the file's blocks and serves them; files of other architectures are refused
-by theirs."""
+per projection, Qwen2-MoE's shared expert, GPT-OSS's sinks, yarn RoPE and expert biases), serves as the
+checkpoint it was written from; with Q4_0/Q8_0 MLPs and experts (GPT-OSS: MXFP4, as its files hold them)
+it keeps the file's blocks and serves them; files of other architectures are refused by theirs."""
 
 from __future__ import annotations
 
@@ -37,9 +37,15 @@ FAMILIES = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    # The SwiGLU limit and yarn's rounding as llama.cpp's files mean them (no key says either).
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=7,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "original_max_position_embeddings": 64}),
 }
 # Phi-3's fused projections as llama.cpp stores them, everyone else's MLP and experts' parts.
 QUANTIZED = {"gate_proj": "Q4_0", "up_proj": "Q4_0", "down_proj": "Q8_0", "qkv_proj": "Q4_0", "gate_up_proj": "Q4_0"}
+# GPT-OSS's experts as its files hold them: MXFP4, kept as 8-bit groups (engine/loader/gguf_quant.py).
+QUANTIZED_AS = {"gpt_oss": {"gate_proj": "MXFP4", "up_proj": "MXFP4", "down_proj": "MXFP4"}}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -76,18 +82,20 @@ def test_gguf_serves_as_the_checkpoint_it_was_written_from(family, tmp_path, mon
 
 
 def test_quantized_gguf_keeps_its_blocks_and_serves_them(family, tmp_path, monkeypatch):
-    """Q4_0 gate/up and Q8_0 down (Phi-3: its fused q/k/v and gate/up in Q4_0): the converted directory keeps
-    each expert's blocks as tensors of its own; dequantized (--dtype float32) every position's logits are
-    transformers' on the same weights; under w4a8 an expert's layers hold the file's weights exactly."""
+    """Q4_0 gate/up and Q8_0 down (Phi-3: its fused q/k/v and gate/up in Q4_0; GPT-OSS: MXFP4 experts): the
+    converted directory keeps each expert's blocks as tensors of its own; dequantized (--dtype float32)
+    every position's logits are transformers' on the same weights; under w4a8 an expert's layers hold
+    the file's weights exactly."""
     require(cpu_w4a8._kernel)
     monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
     arch, _, tokenizer = family
-    converted = convert_gguf(written(family, tmp_path / f"tiny-{arch}.Q4_0.gguf", QUANTIZED))
+    converted = convert_gguf(written(family, tmp_path / f"tiny-{arch}.Q4_0.gguf", QUANTIZED_AS.get(arch, QUANTIZED)))
     mlp = "model.layers.1.mlp" if arch == "phi3" else "model.layers.1.mlp.experts.3"
     # The checkpoint's names of its gate/up projection: Phi-3's fused as llama.cpp stores it.
     gate_up = [f"{mlp}.gate_up_proj.weight"] if arch == "phi3" else [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"]
     groups, weights = gguf_groups(converted), dict(iter_weights(converted))
-    assert {groups(n).bits for n in gate_up} == {4} and groups(f"{mlp}.down_proj.weight").bits == 8
+    gate_up_bits = 8 if arch == "gpt_oss" else 4
+    assert {groups(n).bits for n in gate_up} == {gate_up_bits} and groups(f"{mlp}.down_proj.weight").bits == 8
 
     runner, kv = tiny_runner(converted)
     ids = tokenizer("hello world, the quick brown fox").input_ids
@@ -99,7 +107,8 @@ def test_quantized_gguf_keeps_its_blocks_and_serves_them(family, tmp_path, monke
 
     with Engine(planner=untimed, model_path=str(converted), quantization="w4a8", max_total_tokens=2048) as eng:
         layers = eng.debug.target.model.get_submodule(mlp)
-        assert type(layers.gate_up_proj) is W4A8Linear and type(layers.down_proj) is Int8GroupLinear
+        assert type(layers.gate_up_proj) is {4: W4A8Linear, 8: Int8GroupLinear}[gate_up_bits]
+        assert type(layers.down_proj) is Int8GroupLinear
         assert torch.equal(layers.gate_up_proj.dequantized(), torch.cat([weights[n] for n in gate_up]))
         assert torch.equal(layers.down_proj.dequantized(), weights[f"{mlp}.down_proj.weight"])
         assert len(eng.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]) == GREEDY["max_new_tokens"]

@@ -1,18 +1,22 @@
 """GPT-OSS beyond tests/test_families.py (greedy against transformers, every algorithm lossless): its
 MXFP4 checkpoints (experts as e2m1 blocks and power-of-two scales), dequantized at load as transformers
-dequantizes them, and its sinks and experts under tensor parallelism."""
+dequantizes them, its sinks and experts under tensor parallelism, and what its GGUF files' header and
+MXFP4 blocks read as (tests/test_gguf_families.py serves them)."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from engine import Engine
 from engine.errors import ModelLoadError
-from engine.loader import mxfp4
+from engine.loader import convert_gguf, gguf_quant, iter_weights, load_config, load_tokenizer, mxfp4
+from tests.gguf_files import TEXTS, gguf_tokenizer, write_tiny_gguf
 from tests.lossless import GREEDY, prompts
 from tests.planning import untimed
 from tests.tiny import make_model, reference_generate, tiny_engine
@@ -98,22 +102,27 @@ def test_sinks_and_experts_under_tensor_parallelism(checkpoints):
     assert outs[2] == outs[1]
 
 
-def test_a_gpt_oss_gguf_is_refused_by_name(tmp_path, monkeypatch):
-    """llama.cpp's gpt-oss files: transformers' GGUF reader, which conversion builds on, cannot read them."""
-    import gguf
-    import numpy as np
-
-    from engine.loader import convert_gguf
-
+def test_a_gpt_oss_gguf_reads_as_llama_cpp_reads_it(tmp_path, monkeypatch):
+    """Its header's yarn RoPE (which transformers' reader misreads) with the correction range rounded
+    outwards (no key says otherwise), its tokenizer, and its MXFP4 experts exactly; a damaged exponent
+    (weights past 2^120) is refused."""
     monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "gpt-oss-20b-mxfp4.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt-oss")
-    mxfp4_type = gguf.GGMLQuantizationType.MXFP4
-    writer.add_tensor("blk.0.ffn_down_exps.weight", gguf.quants.quantize(np.ones((2, 4, 32), np.float32), mxfp4_type),
-                      raw_dtype=mxfp4_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ModelLoadError, match="a gpt-oss GGUF, which spec cannot convert.*Hugging Face checkpoint"):
-        convert_gguf(path)
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 16.0, "beta_slow": 2.0,
+            "original_max_position_embeddings": 64}
+    tokenizer = gguf_tokenizer()
+    source = make_model(tmp_path / "hf", "gpt_oss", layers=2, vocab=len(tokenizer), rope_parameters=rope,
+                        num_local_experts=4, num_experts_per_tok=2)
+    path = tmp_path / "tiny-gpt-oss.gguf"
+    mxfp4_experts = dict.fromkeys(("gate_proj", "up_proj", "down_proj"), "MXFP4")
+    write_tiny_gguf(path, AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), tokenizer, mxfp4_experts)
+    assert load_config(convert_gguf(path)).rope_parameters == rope
+    assert load_tokenizer(path)(TEXTS[0]).input_ids == tokenizer(TEXTS[0]).input_ids
+
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    down = next(t for t in reader.tensors if t.name == "blk.0.ffn_down_exps.weight")
+    stored = dict(iter_weights(convert_gguf(path)))["model.layers.0.mlp.experts.1.down_proj.weight"]
+    assert torch.equal(stored, torch.from_numpy(gguf.dequantize(down.data, down.tensor_type)[1]))
+    with pytest.raises(ValueError, match="exponent is 248.*damaged"):
+        gguf_quant.decode(np.full((1, 17), 248, np.uint8), "MXFP4", 1)

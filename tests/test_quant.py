@@ -22,7 +22,7 @@ from tests.tiny import make_model, tiny_engine
 GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", "MXFP4"])
 def test_gguf_blocks_decode_bit_exactly(kind, monkeypatch):
     """Also when dequantize works in slices of rows (5 of 3 rows here, a last one short)."""
     import gguf

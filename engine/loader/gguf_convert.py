@@ -130,8 +130,9 @@ def _convert_into(path: Path, dtype: torch.dtype, out: Path) -> None:
     folder, name = str(path.parent), path.name
     try:
         with gguf_families.readable():
-            config = gguf_families.settle(path, AutoConfig.from_pretrained(folder, gguf_file=name))
+            config = AutoConfig.from_pretrained(folder, gguf_file=name)
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        config = gguf_families.settle(path, config)
         # A weightless model on the meta device: transformers maps GGUF tensor names onto its names.
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
@@ -143,7 +144,7 @@ def _convert_into(path: Path, dtype: torch.dtype, out: Path) -> None:
             f"folder with room.") from e
     except Exception as e:  # unsupported architecture or tokenizer, odd metadata: all about the file
         raise ModelLoadError(
-            f"transformers cannot convert {path}: {e}. Pass a Hugging Face directory of the model instead.") from e
+            f"Cannot convert {path}: {e}. Pass a Hugging Face directory of the model instead.") from e
     # named_parameters() lists tied weights once, so a tied lm_head is not reported missing.
     missing = sorted(gguf_families.checkpoint_names(skeleton) - written)
     if missing:
@@ -209,9 +210,11 @@ def _write_tensors(path: Path, config, skeleton, dtype: torch.dtype, out: Path) 
                 add(names[gguf_name], groups if order is None else groups.map(lambda t: t[order]))
                 continue
             result = processor.process(weights=_dequantize(data, tensor.tensor_type), name=tensor.name, **context)
-            if result.name in names:
-                floats.add(names[result.name], torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype))
-                written.add(names[result.name])
+            # GPT-OSS's sinks: a parameter without a suffix, which llama.cpp writes with ".weight".
+            hf = names.get(result.name) or names.get(result.name.removesuffix(".weight"))
+            if hf is not None:
+                floats.add(hf, torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype))
+                written.add(hf)
     return written
 
 

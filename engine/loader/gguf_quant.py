@@ -7,7 +7,9 @@ super-blocks of 256 with fp16 d and dmin, and per 32 a 6-bit scale sc and min m:
 5 bits, Q5_K: Q4_K's scales and mins with q in 0..31.
 6 bits, Q6_K as it is: w = d * sc * (q - 32), q in 0..63, an int8 sc per 16 weights, an fp16 d per 256.
 8 bits, groups of 32 again: Q8_0 (d; w = d * q8, stored as q8 + 128 with min -128 d), Q5_0 (d;
-w = d * (q - 16)) and Q5_1 (d, m; w = d * q + m), q in 0..31 for the last two.
+w = d * (q - 16)) and Q5_1 (d, m; w = d * q + m), q in 0..31 for the last two; and MXFP4 (GPT-OSS's
+experts: an e8m0 exponent e and 32 e2m1 values v, w = v * 2^(e - 127)), whose doubled values 2v are
+integers in -12..12: q = 2v + 128 with scale 2^(e - 128) and min -128 * scale, exact in fp32.
 `dequantize` of what `decode` gives equals gguf's own dequantization bit for bit (tests/test_quant.py).
 The engine serves these with its int4 kernels and its w4a8 kernel (engine/models/quant.py). Other
 types (Q2_K, Q3_K, IQ*) are left to the dequantized checkpoint.
@@ -57,13 +59,13 @@ class Groups(NamedTuple):
 
 
 def decodable(type_name: str) -> bool:
-    return type_name in ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1")
+    return type_name in ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", "MXFP4")
 
 
 def decode(raw: np.ndarray, type_name: str, rows: int) -> Groups:
     """A tensor's raw GGUF blocks (uint8, rows x bytes per row) -> its Groups."""
     blocks = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q8_0": 34, "Q5_0": 22,
-              "Q5_1": 24}[type_name]
+              "Q5_1": 24, "MXFP4": 17}[type_name]
     b = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, blocks)
     sup = None
     d = b[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
@@ -73,6 +75,8 @@ def decode(raw: np.ndarray, type_name: str, rows: int) -> Groups:
         q, scale, low, sup = _k_quant(b, type_name == "Q5_K")
     elif type_name == "Q8_0":
         q, scale, low = (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), d, -128 * d
+    elif type_name == "MXFP4":
+        q, scale, low = _mxfp4(b)
     elif type_name in ("Q5_0", "Q5_1"):
         q, scale = _five_bits(b[:, 2:] if type_name == "Q5_0" else b[:, 4:]), d
         low = -16 * d if type_name == "Q5_0" else b[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
@@ -83,7 +87,7 @@ def decode(raw: np.ndarray, type_name: str, rows: int) -> Groups:
         low = (-8.0 * d).astype(np.float32) if type_name == "Q4_0" else \
             b[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
     q = q.reshape(rows, -1)
-    bits = {"Q5_K": 5, "Q6_K": 6, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8}.get(type_name, 4)
+    bits = {"Q5_K": 5, "Q6_K": 6, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8, "MXFP4": 8}.get(type_name, 4)
     return Groups(bits, pack(q) if bits == 4 else torch.from_numpy(q),
                   *(None if t is None else torch.from_numpy(np.ascontiguousarray(t)).reshape(rows, -1, *t.shape[2:])
                     for t in (scale, low, sup)))
@@ -95,6 +99,22 @@ def _five_bits(b: np.ndarray) -> np.ndarray:
     high = (b[:, :4].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
     low = np.concatenate([b[:, 4:20] & 0x0F, b[:, 4:20] >> 4], axis=1)
     return (low | (high.astype(np.uint8) << 4)).astype(np.uint8)
+
+
+# e2m1 codes (sign bit 3) -> twice their value.
+_E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int16)
+
+
+def _mxfp4(b: np.ndarray) -> tuple[np.ndarray, ...]:
+    """MXFP4: the exponent byte, then 16 bytes of codes (weights 0-15 low nibbles, 16-31 high) -> 8-bit q
+    [blocks, 32], scale and min [blocks]. Exponents past 247 (weights of 2^120 and more) would overflow
+    q * scale in fp32: no model has them, a damaged file may."""
+    if b[:, 0].max(initial=0) > 247:
+        raise ValueError(f"an MXFP4 block's exponent is {int(b[:, 0].max())}, its weights beyond 2^120: "
+                         "the file is damaged")
+    codes = np.concatenate([b[:, 1:] & 0x0F, b[:, 1:] >> 4], axis=1)
+    scale = np.ldexp(np.float32(1), b[:, 0].astype(np.int32) - 128).astype(np.float32)
+    return (_E2M1_DOUBLED[codes] + 128).astype(np.uint8), scale, -128 * scale
 
 
 def _k_quant(b: np.ndarray, five: bool) -> tuple[np.ndarray, ...]:

@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import re
 import zipfile
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
 
 from engine.errors import ModelLoadError
+from engine.loader import gguf_families
 from engine.loader.fetch import KNOWN_MODELS
 from engine.loader.safetensors_io import SafetensorsFile, reading
 from engine.loader.source import resolve_model_path, weight_files
@@ -106,22 +108,29 @@ def transformers_model(model_dir: Path, dtype: torch.dtype):
     return model
 
 
-_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|bias)")
 
 
 def _destination(params: dict[str, torch.Tensor], name: str) -> Optional[tuple[str, torch.Tensor]]:
     """(parameter, where in it) a checkpoint tensor goes in transformers' model: the parameter itself, or
     for one expert's projection its part of the stacked experts ([experts, 2 I, H] gate then up, and
-    [experts, H, I]); None for a tensor the model has no place for."""
+    [experts, H, I]; GPT-OSS's [experts, H, 2 I] gate and up alternating, [experts, I, H], and their
+    biases); None for a tensor the model has no place for."""
     if name in params:
         return name, params[name]
     found = _EXPERT.fullmatch(name)
-    stacked = found and f"{found[1]}.{'down' if found[3] == 'down' else 'gate_up'}_proj"
+    if found is None:
+        return None
+    experts, part, leaf = found[1], found[3], found[4]
+    stacked = f"{experts}.{'down' if part == 'down' else 'gate_up'}_proj{'_bias' if leaf == 'bias' else ''}"
     if stacked not in params:
         return None
     expert = params[stacked][int(found[2])]
+    if f"{experts}.gate_up_proj_bias" in params:        # GPT-OSS
+        expert = expert.T if leaf == "weight" else expert
+        return stacked, {"gate": expert[0::2], "up": expert[1::2], "down": expert}[part]
     half = expert.shape[0] // 2
-    return stacked, {"gate": expert[:half], "up": expert[half:], "down": expert}[found[3]]
+    return stacked, {"gate": expert[:half], "up": expert[half:], "down": expert}[part]
 
 
 def _iter_safetensors(file: Path, select: Optional[Callable[[str], bool]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -135,16 +144,18 @@ def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
     """The tokenizer (PreTrainedTokenizerBase) of a model directory, a .gguf file, a known name or a hub id."""
     from transformers import AutoTokenizer
 
-    source, kwargs = str(path), {}
+    source, kwargs, reader = str(path), {}, nullcontext()
     local = Path(path).expanduser()
     if source in KNOWN_MODELS:  # its converted directory holds the tokenizer files
         source = str(resolve_model_path(source))
     elif local.is_file() and local.suffix == ".gguf":
         source, kwargs = str(local.parent), {"gguf_file": local.name}
+        reader = gguf_families.readable()       # with the header keys transformers misreads hidden from it
     elif local.exists():
         source = str(local)
     try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
+        with reader:
+            return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
     except Exception as e:  # OSError for missing files, ValueError for unknown tokenizer classes ...
         raise ModelLoadError(
             f"No tokenizer could be loaded from {path} ({e}). Pass a tokenizer path: a directory with "
