@@ -100,15 +100,8 @@ def full_request_slots(args: ServerArgs) -> int:
 
 def sliding_layout(args: ServerArgs, target: nn.Module) -> Optional[SlidingLayout]:
     """The target's sliding-window layers, which keep their K/V in a pool of their own, freed as windows
-    move on (engine/memory/window_pool.py); None where none has a window shorter than the context, and
-    under tensor parallelism, whose other ranks keep no slot map (engine/distributed/mirror.py sends them
-    table rows only)."""
-    layout = SlidingLayout.of(kv_windows(target), args.context_length)
-    if layout is not None and args.tp_size > 1:
-        log.info("under tensor parallelism the sliding-window layers keep the K/V of every token, as the others "
-                 "do (--swa-full-tokens-ratio has no effect)")
-        return None
-    return layout
+    move on (engine/memory/window_pool.py); None where none has a window shorter than the context."""
+    return SlidingLayout.of(kv_windows(target), args.context_length)
 
 
 def window_ratio(args: ServerArgs) -> float:

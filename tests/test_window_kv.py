@@ -3,7 +3,8 @@
 layer windowed) models, transformers' own classes, with a window of 8 and contexts many windows long, in a
 window pool far smaller than the tokens they hold: transformers' greedy tokens under plain decoding and every
 speculative algorithm, a continued conversation reusing its cached prefix and a prefix whose window was freed
-recomputed, the window pool holding one window per request as decoding proceeds, and the memory budget; every
+recomputed, the window pool holding one window per request as decoding proceeds, under tensor parallelism
+too, and the memory budget; every
 attention backend reading a window pool whose out-of-window slots were freed and reused; the radix cache's
 count of the window slots its nodes hold."""
 
@@ -131,6 +132,16 @@ def test_every_algorithm_is_lossless(model, prompts, expected, algo, tmp_path):
     eng = tiny_engine(spec.pop("model_path", model), algo, tree=(3, 2, 5), **SMALL, **spec)
     assert generate(eng, prompts) == expected
     assert eng.stats()["retractions"] == 0
+
+
+@pytest.mark.parametrize("algo", [None, "NGRAM", "EAGLE3"])
+def test_tensor_parallel_ranks_read_the_window_slots_rank_0_hands_out(model, prompts, expected, algo, tmp_path):
+    """Two ranks: rank 0 alone hands out and frees window slots, reused across requests in a pool this
+    small; the other rank writes and reads its heads' K/V through the map entries each forward brings."""
+    spec = draft_setup(algo, model, tmp_path) if algo else {}
+    with tiny_engine(spec.pop("model_path", model), algo, tree=(3, 2, 5), tp_size=2, **SMALL, **spec) as eng:
+        assert eng.debug.kv.window_pool().slots == 102
+        assert generate(eng, prompts) == expected
 
 
 def test_a_slot_costs_the_global_layers_and_a_share_of_the_windowed():

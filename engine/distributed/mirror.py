@@ -9,7 +9,10 @@ tensors, the rows of the request-to-token table it reads, and the hidden states 
 Every other rank (`Follower`) receives the message and runs the same forward on its block of the
 weights, its K/V pool holding its block of the heads at the same slots; the collectives inside the
 forward (engine/distributed/group.py) make the hidden states and logits whole on every rank. Followers
-return nothing and decide nothing, so no rank can diverge from rank 0's outputs.
+return nothing and decide nothing, so no rank can diverge from rank 0's outputs. A target with a window
+pool (engine/memory/window_pool.py) has its slot map's entries for every slot a forward reads or writes
+sent with it: rank 0 alone hands out and frees window slots, and each rank's map is right wherever its
+forwards look.
 
 A message is a pickled header on the gloo message group, then at most three tensors (the integers
 packed in one, the tree mask, the hidden states) on the model's group (NCCL on a GPU).
@@ -44,11 +47,13 @@ class Leader:
     def __init__(self, group: Group, ranks):
         self.group, self.ranks = group, ranks
         self.failed: Optional[str] = None
+        self.slot_map: Optional[torch.Tensor] = None
 
     def attach(self, worker) -> None:
         """Lead the worker's model forwards from now on: the target's and a model drafter's."""
         from engine.speculative.model_drafter import ModelDrafter
 
+        self.slot_map = _slot_map(worker)
         worker.target.leader = self
         if isinstance(worker.drafter, ModelDrafter):
             worker.drafter.leader = self
@@ -57,7 +62,7 @@ class Leader:
                decode: bool):
         """Announce a target forward, then run it here (run(batch, logit_rows, all_logits, decode))."""
         meta = {"all_logits": all_logits, "decode": decode}
-        return self._run(lambda: self._send("target", meta, batch, None, logit_rows),
+        return self._run(lambda: self._send("target", meta, batch, None, logit_rows, self.slot_map),
                          lambda: run(batch, logit_rows, all_logits, decode))
 
     def feed(self, run: Callable, batch: ForwardBatch, features: Optional[torch.Tensor]):
@@ -117,7 +122,7 @@ class Leader:
             raise DistributedError(self.failed) from exc
 
     def _send(self, op: str, meta: dict, batch: Optional[ForwardBatch], tensor: Optional[torch.Tensor],
-              logit_rows: Optional[torch.Tensor]) -> None:
+              logit_rows: Optional[torch.Tensor], slot_map: Optional[torch.Tensor] = None) -> None:
         header: dict[str, Any] = {"op": op, "meta": meta}
         ints = masks = None
         if batch is not None:
@@ -125,12 +130,15 @@ class Leader:
             table = batch.table[batch.rows, :prefix]
             parts = [getattr(batch, f) for f in _INT_FIELDS] + [table.flatten()]
             parts += [t for t in (batch.extra_slots, logit_rows) if t is not None]
+            if slot_map is not None:        # the window slot of every slot the forward writes or reads
+                slots = [batch.out_slots, parts[4]] + ([] if batch.extra_slots is None else [batch.extra_slots])
+                parts.append(slot_map[torch.cat([t.long() for t in slots])])
             ints = torch.cat([p.long() for p in parts])
             masks = batch.masks
             header["batch"] = {"sizes": [len(p) for p in parts], "prefix": prefix, "prefix_lens": batch.prefix_lens,
                                "extend_lens": batch.extend_lens, "extra_lens": batch.extra_lens,
                                "extra": batch.extra_slots is not None, "logit_rows": logit_rows is not None,
-                               "masks": None if masks is None else tuple(masks.shape),
+                               "window": slot_map is not None, "masks": None if masks is None else tuple(masks.shape),
                                "capture_hidden": batch.capture_hidden}
         if tensor is not None:
             header["tensor"] = (tuple(tensor.shape), tensor.dtype)
@@ -149,6 +157,7 @@ class Follower:
 
     def attach(self, worker) -> None:
         self.worker = worker
+        self.slot_map = _slot_map(worker)
 
     def started(self) -> None:
         dist.barrier()
@@ -199,6 +208,8 @@ class Follower:
         extra = rest.pop(0) if spec["extra"] else None
         logit_rows = rest.pop(0) if spec["logit_rows"] else None
         table[rows, :spec["prefix"]] = prefix_slots.view(len(rows), spec["prefix"])
+        if spec["window"]:
+            self.slot_map[torch.cat([out_slots, prefix_slots] + ([] if extra is None else [extra]))] = rest.pop(0)
         masks = None
         if spec["masks"] is not None:
             masks = torch.empty(spec["masks"], dtype=torch.bool, device=table.device)
@@ -213,3 +224,9 @@ class Follower:
         tensor = torch.empty(shape, dtype=dtype, device=self.worker.table.device)
         dist.broadcast(tensor, src=0)
         return tensor
+
+
+def _slot_map(worker) -> Optional[torch.Tensor]:
+    """The target's window pool's slot map (full slot -> window slot), None without a window pool."""
+    window = worker.target.kv_pool.window
+    return None if window is None else window.slot_map
