@@ -236,3 +236,44 @@ def test_a_prefix_locked_alone_frees_its_window_slots_before_the_last_window():
     cache.dec_lock_ref(longer)
     cache.dec_lock_ref(shorter)
     assert (cache.evictable_size(), cache.evictable_held()) == (30, 17)
+
+
+def test_window_pressure_takes_an_inner_nodes_window_slots_and_keeps_its_full_ones():
+    """A shared prefix P with two continuations A and B: asked for window slots, the cache evicts the least
+    recently used leaf A whole, then takes P's window slots alone (B is newer): P + B is still reused
+    whole, P alone no longer (its last window is gone), and P's full slots stay the cache's."""
+    alloc = WindowedSlotAllocator(64, 32, WINDOW, "cpu")
+    cache = RadixCache(alloc)
+    p, a, b = alloc.alloc(10), alloc.alloc(5), alloc.alloc(10)
+    prefix = list(range(10))
+    cache.insert(prefix, p)
+    cache.insert(prefix + list(range(50, 55)), torch.cat([p, a]))
+    cache.insert(prefix + list(range(60, 70)), torch.cat([p, b]))
+    assert alloc.free_counts() == (64 - 25, 32 - 25)
+    cache.evict(0, 12)
+    assert alloc.free_counts() == (64 - 20, 32 - 10)
+    assert (cache.evictable_size(), cache.evictable_held()) == (20, 10)
+    assert alloc.reusable(cache.match_prefix(prefix + list(range(60, 70)))[0]) == 20
+    assert alloc.reusable(cache.match_prefix(prefix)[0]) == 0
+    cache.evict(0, 10)                              # B now a leaf of P: whole, then P (no window slots left)
+    assert alloc.free_counts() == (64 - 10, 32) and (cache.evictable_size(), cache.evictable_held()) == (10, 0)
+    cache.evict(10)
+    assert alloc.free_counts() == (64, 32)
+
+
+def test_a_recomputed_prefix_gives_the_cache_back_its_window_slots():
+    """A cached sequence whose window slots were all freed cannot be continued; a request that recomputed
+    it (holding its own last window) gives the cache those window slots as it inserts the same tokens,
+    then frees its duplicate full slots: the sequence is reusable again."""
+    alloc = WindowedSlotAllocator(64, 32, WINDOW, "cpu")
+    cache = RadixCache(alloc)
+    tokens, cached = list(range(20)), alloc.alloc(20)
+    alloc.free_window(cached)
+    cache.insert(tokens, cached)
+    assert alloc.reusable(cache.match_prefix(tokens)[0]) == 0 and cache.evictable_held() == 0
+    again = alloc.alloc(20)
+    alloc.free_window(again[:12])                   # its window moved past its first 12 tokens
+    assert cache.insert(tokens, again) == 20
+    alloc.free(again)
+    assert alloc.reusable(cache.match_prefix(tokens)[0]) == 20
+    assert cache.evictable_held() == 8 and alloc.free_counts() == (64 - 20, 32 - 8)

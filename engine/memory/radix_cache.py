@@ -9,7 +9,10 @@ whole prefix. Unlocked leaves are evicted least recently used first.
 With a window pool (engine/memory/window_pool.py) some of a node's tokens may have had their window slot
 freed already (a request frees them as its window moves on, and a request that locks a prefix alone frees
 those before its last window): each node counts the tokens still holding one, so that the cache knows how
-many window slots evicting would give back.
+many window slots evicting would give back. When the window pool is what runs short, an unlocked inner
+node gives back its window slots alone and keeps its full ones, which the matches running through it to
+a longer prefix still use; a request that recomputed tokens whose window slots were freed gives the
+cache its own when it inserts them. SGLang's SWA radix cache does both (its tombstones).
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ class RadixCache:
         key = tuple(map(int, token_ids))
         assert len(key) == len(slots), "one slot per token"
         node, i, _ = self._walk(key)
+        self._adopt_windows(node, slots[:i])
         if i < len(key):
             # Copy: the caller's tensor is often a view of a request's row, which gets reused.
             value = slots[i:].to("cpu", torch.int64, copy=True)
@@ -84,6 +88,18 @@ class RadixCache:
             self._evictable += len(key) - i
             self._evictable_held += held
         return i
+
+    def _adopt_windows(self, node: TreeNode, slots: torch.Tensor) -> None:
+        """Give the path to `node` the window slots that `slots` (the caller's, for the same tokens) hold
+        where the path's own were freed."""
+        end = len(slots)
+        while node is not self.root:
+            moved = self.allocator.adopt_window(node.value, slots[end - len(node.key):end])
+            node.held += moved
+            if node.lock_ref == 0:
+                self._evictable_held += moved
+            end -= len(node.key)
+            node = node.parent
 
     def _walk(self, key: tuple[int, ...]) -> tuple[TreeNode, int, list[torch.Tensor]]:
         """Follow key down the tree, splitting where it ends or diverges inside an edge, and mark the
@@ -150,29 +166,45 @@ class RadixCache:
             start += len(node.key)
 
     def evict(self, num_tokens: int, num_held: int = 0) -> int:
-        """Free at least num_tokens slots, and num_held window slots, if that many are evictable, LRU
-        leaves first; return tokens freed."""
+        """Free at least num_tokens slots, LRU unlocked leaves first, then num_held window slots, LRU
+        unlocked nodes holding any first: a leaf whole, an inner node its window slots alone; as far as
+        that many are evictable. Return tokens freed."""
         if num_tokens <= 0 and num_held <= 0:
             return 0
-        # Evictions are rare next to matches, so the leaves are gathered here rather than tracked.
+        # Evictions are rare next to matches, so the candidates are gathered here rather than tracked.
         leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(leaves)
         freed: list[torch.Tensor] = []
         num_freed = held_freed = 0
-        while (num_freed < num_tokens or held_freed < num_held) and leaves:
+        while num_freed < num_tokens and leaves:
             node = heapq.heappop(leaves)
-            parent = node.parent
-            del parent.children[node.key[0]]
-            freed.append(node.value)
-            num_freed += len(node.key)
             held_freed += node.held
-            self._evictable -= len(node.key)
-            self._evictable_held -= node.held
+            num_freed += self._remove(node, freed)
+            parent = node.parent
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, parent)
+        holding = [n for n in self._nodes() if n.held and n.lock_ref == 0] if held_freed < num_held else []
+        heapq.heapify(holding)
+        while held_freed < num_held and holding:
+            node = heapq.heappop(holding)
+            held_freed += node.held
+            if node.children:
+                self.allocator.free_window(node.value)
+                self._evictable_held -= node.held
+                node.held = 0
+            else:
+                num_freed += self._remove(node, freed)
         if freed:
             self.allocator.free(torch.cat(freed))
         return num_freed
+
+    def _remove(self, leaf: TreeNode, freed: list[torch.Tensor]) -> int:
+        """Take an unlocked leaf out of the tree, its slots onto `freed`; return how many."""
+        del leaf.parent.children[leaf.key[0]]
+        freed.append(leaf.value)
+        self._evictable -= len(leaf.key)
+        self._evictable_held -= leaf.held
+        return len(leaf.key)
 
     def _nodes(self):
         """Every node but the root."""

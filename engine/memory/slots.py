@@ -24,6 +24,11 @@ class TokenSlotAllocator:
         """How many of `slots` hold the windowed layers' K/V: all (engine/memory/window_pool.py)."""
         return slots.numel()
 
+    def adopt_window(self, slots: torch.Tensor, donors: torch.Tensor) -> int:
+        """Window slots moved from `donors` to `slots`: none, every slot holding its own
+        (engine/memory/window_pool.py)."""
+        return 0
+
     def reusable(self, slots: torch.Tensor) -> int:
         """The longest prefix of a sequence's slots a request may continue from: all of it."""
         return len(slots)

@@ -88,6 +88,18 @@ class WindowedSlotAllocator:
             self.local.free(local[held])
             self._map(slots[held], torch.zeros(int(held.sum()), dtype=torch.int64))
 
+    def adopt_window(self, slots: torch.Tensor, donors: torch.Tensor) -> int:
+        """Move window slots from `donors` to `slots` (one to one: the same tokens' slots) wherever a slot
+        has none and its donor has one; return how many moved. The donors keep their full slots."""
+        slots, donors = slots.to("cpu", torch.int64), donors.to("cpu", torch.int64)
+        local = self._host_map[donors]
+        move = (self._host_map[slots] == 0) & (local > 0)
+        if not move.any():
+            return 0
+        self._map(slots[move], local[move])
+        self._map(donors[move], torch.zeros(int(move.sum()), dtype=torch.int64))
+        return int(move.sum())
+
     def count_held(self, slots: torch.Tensor) -> int:
         """How many of `slots` still have their window slot."""
         return int((self._host_map[slots.to("cpu", torch.int64)] > 0).sum())
