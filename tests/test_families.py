@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.drafts import ALGOS, draft_setup
-from tests.tiny import make_model, random_prompts, reference_generate, tiny_engine
+from tests.tiny import make_deepseek, make_model, random_prompts, reference_generate, tiny_engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
 # Multipliers far from 1 and windows shorter than the prompts, so that a model that ignored one would
@@ -30,6 +30,9 @@ FAMILIES = {
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
     "granite": dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.3, logits_scaling=3.0),
     # Phi-3.5's long-context RoPE (its positions past the original context: tests/test_rope.py).
+    # MLA and DeepSeek's routers: V2's softmax top k among the best groups, V3's grouped sigmoid.
+    "deepseek-v2": dict(version=2),
+    "deepseek-v3": dict(version=3),
     "phi3": dict(original_max_position_embeddings=64,
                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
                                   "short_factor": [1.0 + 0.1 * i for i in range(8)],
@@ -39,8 +42,10 @@ FAMILIES = {
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
-    arch = request.param.split("-")[0]
-    return request.param, make_model(tmp_path_factory.mktemp(request.param), arch, layers=4, **FAMILIES[request.param])
+    arch, path = request.param.split("-")[0], tmp_path_factory.mktemp(request.param)
+    if arch == "deepseek":
+        return request.param, make_deepseek(path, layers=4, **FAMILIES[request.param])
+    return request.param, make_model(path, arch, layers=4, **FAMILIES[request.param])
 
 
 def test_greedy_is_transformers(family):
@@ -53,10 +58,11 @@ def test_greedy_is_transformers(family):
 @pytest.mark.parametrize("algo", ALGOS)
 def test_every_algorithm_is_lossless(family, algo, tmp_path):
     name, model = family
-    if algo == "MTP" and name.startswith(("qwen", "gpt_oss")):
+    if algo == "MTP" and name.startswith(("qwen", "gpt_oss", "deepseek")):
         # tests/eagle_checkpoints.py's nextn layer is Llama's: without Qwen2's q/k/v biases (MiMo's MTP,
-        # tests/test_mtp.py), Qwen3's q/k norms or GPT-OSS's attention biases (no GPT-OSS has MTP layers).
-        pytest.skip("the test's MTP layer has no Qwen or GPT-OSS attention")
+        # tests/test_mtp.py), Qwen3's q/k norms, GPT-OSS's attention biases (no GPT-OSS has MTP layers) or
+        # DeepSeek's MLA (its nextn layer: tests/test_speculative_lossless.py).
+        pytest.skip("the test's MTP layer has no Qwen, GPT-OSS or DeepSeek attention")
     prompts = random_prompts(4, seed=3, lo=5, hi=30)
     expected = [o["output_ids"] for o in tiny_engine(model).generate(input_ids=prompts, sampling_params=GREEDY)]
     spec = draft_setup(algo, model, tmp_path)

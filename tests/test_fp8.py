@@ -164,9 +164,9 @@ def test_fp8_checkpoint_on_cpu_is_served_dequantized(scheme, float_model, tmp_pa
 def test_deepseek_block_fp8_checkpoint_is_read(tmp_path):
     """DeepSeek-V3's release layout (MLA and expert linears in e4m3, 128x128 `weight_scale_inv`): served
     dequantized on the CPU as the dequantized model, and loaded as stored into FP8 layers throughout."""
-    from tests.tiny import make_deepseek_v3
+    from tests.tiny import make_deepseek
 
-    fp8, ref = save_fp8_checkpoint(make_deepseek_v3(tmp_path / "float"), tmp_path / "fp8", (128, 128))
+    fp8, ref = save_fp8_checkpoint(make_deepseek(tmp_path / "float"), tmp_path / "fp8", (128, 128))
     prompts = random_prompts(2, seed=9)
     eng = Engine(planner=untimed, model_path=str(fp8), dtype="float32", max_total_tokens=2048)
     outs = eng.generate(input_ids=prompts, sampling_params=GREEDY)

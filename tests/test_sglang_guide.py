@@ -17,7 +17,7 @@ from engine.loader import load_config
 from spec_cli.main import app
 from tests import eagle_checkpoints as ckpt
 from tests.planning import untimed
-from tests.tiny import make_deepseek_v3, make_model
+from tests.tiny import make_deepseek, make_model
 
 # (command line after `python3 -m sglang.launch_server`, algorithm and tree it runs with)
 GUIDE = {
@@ -70,7 +70,7 @@ def hub(tmp_path_factory, target):
     """Hub id -> a tiny stand-in of the same kind."""
     root = tmp_path_factory.mktemp("hub")
     qwen = make_model(root / "qwen", "qwen2")
-    deepseek = ckpt.save_mtp_target(root / "deepseek", make_deepseek_v3(root / "deepseek-base"), "nextn")
+    deepseek = ckpt.save_mtp_target(root / "deepseek", make_deepseek(root / "deepseek-base"), "nextn")
     eagle = ckpt.save_sglang_eagle(root / "eagle", target, *ckpt.eagle_tensors(target))
     return {
         "meta-llama/Llama-2-7b-chat-hf": target, "meta-llama/Meta-Llama-3-8B-Instruct": target,

@@ -18,7 +18,7 @@ from tests.drafts import ALGOS, draft_setup, module_for
 from tests.lossless import (GREEDY, SAMPLE_PROMPT, SAMPLES, VOCAB, chi_square_p, exact_two_token_distribution, prompts,
                             spec_engine)
 from tests.planning import untimed
-from tests.tiny import make_deepseek_v3, make_model
+from tests.tiny import make_deepseek, make_model
 
 # (steps, topk, draft tokens): chains, small trees, wide ones past steps*topk + 1 (SGLang's guide's
 # (3, 4, 16) and (5, 8, 64): EAGLE-2 ranks topk + (steps-1)*topk^2 candidates), a deep one.
@@ -95,7 +95,7 @@ def deepseek(tmp_path_factory):
     from tests import eagle_checkpoints as eagle
 
     root = tmp_path_factory.mktemp("deepseek")
-    target = eagle.save_mtp_target(root / "mtp", make_deepseek_v3(root / "base", seed=3), "nextn")
+    target = eagle.save_mtp_target(root / "mtp", make_deepseek(root / "base", seed=3), "nextn")
     export = eagle.save_nextn_export(root / "export", target)
     plain = Engine(planner=untimed, model_path=str(target), dtype="float32", max_total_tokens=8192)
     return target, export, [o["output_ids"] for o in plain.generate(input_ids=prompts(), sampling_params=GREEDY)]

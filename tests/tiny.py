@@ -66,20 +66,26 @@ def make_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden: int 
     return _save_random(path, model_cls, config, seed, dtype, chat_template)
 
 
-def make_deepseek_v3(path: Path, *, layers: int = 3, hidden: int = 64, vocab: int = 320, seed: int = 0,
-                     max_pos: int = 512, q_lora: bool = True, nextn: int = 0, **extra):
-    """A random DeepSeek-V3 (MLA, MoE from layer 1 on: 8 experts in 4 groups, 2 groups and 2 experts per
-    token, a shared expert) with the tiny tokenizer; `nextn` MTP layers declared (none saved)."""
+def make_deepseek(path: Path, *, version: int = 3, layers: int = 3, hidden: int = 64, vocab: int = 320, seed: int = 0,
+                  max_pos: int = 512, q_lora: bool = True, nextn: int = 0, **extra):
+    """A random DeepSeek-V3, or V2 (`version` 2: its softmax router, a token's experts from its best group
+    unless `topk_method` says "greedy"), with the tiny tokenizer: MLA, MoE from layer 1 on (8 experts in 4
+    groups, 2 groups (V2: 1) and 2 experts per token, a shared expert); `nextn` MTP layers declared (none
+    saved)."""
     import transformers as tf
 
-    config = tf.DeepseekV3Config(
+    config_cls, model_cls = {2: (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
+                             3: (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM)}[version]
+    fields = dict(
         hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32 if q_lora else None, kv_lora_rank=16,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_group=4, topk_group=2,
         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
-        vocab_size=vocab, max_position_embeddings=max_pos, num_nextn_predict_layers=nextn,
-        bos_token_id=0, eos_token_id=1, pad_token_id=2, **extra)
-    return _save_random(path, tf.DeepseekV3ForCausalLM, config, seed, torch.float32)
+        vocab_size=vocab, max_position_embeddings=max_pos, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    # V2's groups limit the choice only where a token takes more experts than groups.
+    fields.update(dict(topk_method="group_limited_greedy", topk_group=1) if version == 2 else
+                  dict(num_nextn_predict_layers=nextn))
+    return _save_random(path, model_cls, config_cls(**{**fields, **extra}), seed, torch.float32)
 
 
 def _save_random(path: Path, model_cls, config, seed: int, dtype, chat_template: str = CHAT_TEMPLATE) -> Path:

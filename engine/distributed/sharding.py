@@ -48,7 +48,7 @@ def local_config(config, what: str = "the model"):
     if n == 1:
         return config
     if getattr(config, "kv_lora_rank", None):
-        raise ConfigError(f"--tp-size {n}: {what} uses DeepSeek-V3's MLA attention and mixture of experts, which are "
+        raise ConfigError(f"--tp-size {n}: {what} uses DeepSeek's MLA attention and mixture of experts, which are "
                           "not sharded yet; serve it with --tp-size 1.")
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     sizes = {"attention heads": heads, "key/value heads": kv_heads, "MLP units (intermediate_size)": config.intermediate_size}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.errors import ModelLoadError
 from engine.loader.fp8_quant import fp8_checkpoint
-from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.models.deepseek import DeepseekV3ForCausalLM
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
@@ -12,6 +12,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtures import MixtureForCausalLM
 
 ARCHITECTURES = {
+    "DeepseekV2ForCausalLM": DeepseekV3ForCausalLM,     # V3's decoder with a softmax router
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,     # MLA, MoE and a nextn layer, which the target skips
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,         # Gemma 3's text decoder (gemma3_text)
@@ -50,4 +51,4 @@ def model_class(config, source: str):
         f"{source}: architecture {', '.join(archs) or config.model_type!r} is not supported. "
         f"Supported: {', '.join(ARCHITECTURES)}. Pass a model of one of these families "
         "(Llama 2/3/3.1, SmolLM2, Mistral, Mixtral, Qwen2/2.5, Qwen2-MoE, Qwen3, Qwen3-MoE, MiMo, OLMoE, "
-        "DeepSeek-V3, Granite 3, Phi-3/3.5/4, Gemma 2, Gemma 3 text, GPT-OSS).")
+        "DeepSeek-V2, DeepSeek-V3, Granite 3, Phi-3/3.5/4, Gemma 2, Gemma 3 text, GPT-OSS).")

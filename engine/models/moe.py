@@ -7,7 +7,7 @@ each expert's own MLP. On CUDA, float experts are stacked at load (`Experts.stac
 kernels/fused_moe.py's Triton grouped GEMMs instead.
 
 Routers: `SoftmaxRouter` (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE: softmax over the experts, the top k,
-renormalised where the family says so) and DeepSeek-V3's grouped sigmoid router (deepseek_v3.py), both
+renormalised where the family says so) and DeepSeek-V2's and V3's (deepseek.py), all
 behind `MoE`.
 """
 

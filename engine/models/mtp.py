@@ -21,7 +21,7 @@ Layouts, in the target's checkpoint or in a separate one:
   then the decoder layer and shared_head.norm. The layer's `embed_tokens` and `shared_head.head`
   copies are unused: the MTP layer shares both with the target by design. The decoder layer is of the
   config's family: Llama/Qwen-style, or DeepSeek-V3's (MLA attention; an MoE MLP when the layer's
-  weights have experts, as DeepSeek-V3's nextn layer does), engine/models/deepseek_v3.py.
+  weights have experts, as DeepSeek-V3's nextn layer does), engine/models/deepseek.py.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from torch import nn
 
 from engine.distributed.sharding import local_config
 from engine.errors import ConfigError, ModelLoadError
-from engine.models import deepseek_v3
+from engine.models import deepseek
 from engine.models.eagle import Head, load_draft_weights, target_head
 from engine.models.llama import DecoderLayer, RMSNorm, Rotary, is_mtp_weight
 
@@ -69,8 +69,8 @@ LAYOUTS = (MIMO, NEXTN)
 def decoder_layer(config, moe: bool, index: int) -> tuple[nn.Module, int]:
     """The decoder layer inside MTP layer `index` of `config`'s family (its K/V at layer `index` of the
     draft's own pool), and the head dims its rotary turns."""
-    if deepseek_v3.uses_mla(config):
-        return deepseek_v3.decoder_layer(config, index, moe), config.qk_rope_head_dim
+    if deepseek.uses_mla(config):
+        return deepseek.decoder_layer(config, index, moe), config.qk_rope_head_dim
     layer = DecoderLayer(config, index)
     return layer, layer.self_attn.head_dim
 

@@ -1,5 +1,6 @@
-"""DeepSeek-V3-family decoder (DeepSeek-V3/R1, Kimi-K2, Moonlight): multi-head latent attention (MLA) and
-mixture-of-experts MLPs, over the same paged KV cache and attention backends as the Llama family.
+"""DeepSeek-V2/V3-family decoder (DeepSeek-V2/V2-Lite/V2.5, DeepSeek-V3/R1, Kimi-K2, Moonlight): multi-head
+latent attention (MLA) and mixture-of-experts MLPs, over the same paged KV cache and attention backends as
+the Llama family. V2 and V3 differ in their routers alone.
 
 MLA (DeepSeek-V2 paper, sec. 2.1) compresses K/V into a small latent per token (kv_a_proj_with_mqa, then
 kv_a_layernorm) plus one shared rotary key; kv_b_proj expands the latent into per-head keys (their
@@ -9,10 +10,10 @@ exact first step. Its cost is memory: per token and layer 2 x heads x head_dim v
 latent's kv_lora_rank + qk_rope_head_dim. Caching the latent and absorbing kv_b_proj into the query and
 output projections (SGLang's MLA kernels) is the optimisation not done here.
 
-MoE: a plain loop over the experts chosen in the batch, with DeepSeek-V3's routing (the "noaux_tc"
-grouped top-k that transformers implements) and its shared experts. Weights keep the checkpoint's names
-(`model.layers.{i}.mlp.experts.{e}.gate_proj.weight` ...); a nextn (MTP) layer after the decoder layers
-is skipped here and drafts through engine/models/mtp.py.
+MoE: moe.MoE's grouped experts and the shared experts, routed by V3's grouped sigmoid top-k ("noaux_tc")
+or V2's softmax top-k (`topk_method` "greedy" or "group_limited_greedy"), as transformers routes. Weights
+keep the checkpoint's names (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight` ...); a nextn (MTP)
+layer after the decoder layers is skipped here and drafts through engine/models/mtp.py.
 """
 
 from __future__ import annotations
@@ -96,17 +97,12 @@ class MlaAttention(nn.Module):
         return self.o_proj(out.reshape(T, H * self.v_dim))
 
 
-class Router(nn.Module):
-    """DeepSeek-V3's routing: sigmoid scores; a learned bias steers which experts are chosen but not their
-    weights; the experts come in n_group groups, each ranked by its two best biased scores, and only the
-    topk_group best groups compete; the chosen experts' scores are normalised (norm_topk_prob) and scaled
-    by routed_scaling_factor. In fp32 whatever the model's dtype, as DeepSeek and transformers route."""
+class _Fp32Router(nn.Module):
+    """A router that scores in fp32 whatever the model's dtype, as DeepSeek and transformers route."""
 
     def __init__(self, config):
         super().__init__()
-        experts = config.n_routed_experts
-        self.weight = nn.Parameter(torch.zeros(experts, config.hidden_size))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(experts))
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
         self.top_k, self.groups, self.top_groups = config.num_experts_per_tok, config.n_group, config.topk_group
         self.normalise, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
 
@@ -117,6 +113,17 @@ class Router(nn.Module):
             return out if out.dtype == t.dtype else t.to(out.device)
 
         return super()._apply(same_dtype, recurse)
+
+
+class V3Router(_Fp32Router):
+    """DeepSeek-V3's routing: sigmoid scores; a learned bias steers which experts are chosen but not their
+    weights; the experts come in n_group groups, each ranked by its two best biased scores, and only the
+    topk_group best groups compete; the chosen experts' scores are normalised (norm_topk_prob) and scaled
+    by routed_scaling_factor."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.n_routed_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, top_k] fp32, expert ids [T, top_k]) per token."""
@@ -134,6 +141,30 @@ class Router(nn.Module):
         return weights * self.scaling, ids
 
 
+class V2Router(_Fp32Router):
+    """DeepSeek-V2's routing: softmax scores; the top k of them ("greedy"), or of the topk_group groups
+    with the best single scores ("group_limited_greedy"); the chosen scores scaled by
+    routed_scaling_factor, normalised first where norm_topk_prob (DeepSeek's own code does; transformers
+    does not, and no release sets it)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.limited = config.topk_method == "group_limited_greedy"
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, top_k] fp32, expert ids [T, top_k]) per token."""
+        scores = F.linear(x.float(), self.weight).softmax(dim=-1)
+        if self.limited:
+            by_group = scores.view(x.shape[0], self.groups, -1)
+            kept = torch.zeros(by_group.shape[:2], dtype=torch.bool, device=x.device)
+            kept.scatter_(1, by_group.amax(-1).topk(self.top_groups, dim=-1).indices, True)
+            scores = by_group.masked_fill(~kept[:, :, None], 0.0).flatten(1)
+        weights, ids = scores.topk(self.top_k, dim=-1)
+        if self.normalise:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
 def decoder_layer(config, layer: int, moe: bool | None = None) -> DecoderLayer:
     """Layer `layer` with MLA; `moe`: a mixture-of-experts MLP (default: from layer first_k_dense_replace
     on, as the target's layers are laid out; an MTP layer says by its weights)."""
@@ -143,7 +174,8 @@ def decoder_layer(config, layer: int, moe: bool | None = None) -> DecoderLayer:
 
 def _moe(config) -> MoE:
     size = config.moe_intermediate_size
-    return MoE(Router(config), Experts(config, config.n_routed_experts, size),
+    router = V2Router(config) if config.model_type == "deepseek_v2" else V3Router(config)
+    return MoE(router, Experts(config, config.n_routed_experts, size),
                MLP(config, size * config.n_shared_experts))
 
 
