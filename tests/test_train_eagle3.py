@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from spec_cli.main import app
 from tests import eagle_checkpoints as ckpt
 from tests.dense_draft import DenseDraft
 from tests.planning import untimed
-from tests.tiny import make_model
+from tests.tiny import make_deepseek, make_model
 from tests.training import options, write_prompts
 
 
@@ -143,11 +144,14 @@ def test_a_narrower_head_trains_loads_and_serves(target, trained, tmp_path):
 @pytest.mark.parametrize("arch, extra", [
     ("gemma3", dict(sliding_window=6)),                  # embedding scale, four norms a layer, local windows
     ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=6)),     # sinks, biased experts
+    ("deepseek", dict(version=2)),                                                          # MLA
 ])
 def test_a_head_trains_on_other_families(arch, extra, tmp_path):
     """A target of another family (its hidden states, embedding and head read through spec's own model):
     a few steps train, `spec convert draft --check` accepts the head, and it serves losslessly."""
-    target = make_model(tmp_path / arch, arch, layers=4, **extra)
+    make = make_deepseek if arch == "deepseek" else partial(make_model, arch=arch)
+    target = make(tmp_path / arch, layers=4, **extra)
     head = tmp_path / "head"
     train(options(target, head, write_prompts(tmp_path / "prompts.txt", 24), max_steps=2))
     result = CliRunner().invoke(app, ["convert", "draft", str(head), "-m", str(target), "--check"])
