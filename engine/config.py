@@ -81,8 +81,8 @@ class ServerArgs:
         "checkpoints where the CPU has native bf16 (AMX, AVX-512-BF16), float32 otherwise.",
         choices=("auto", "float32", "bfloat16", "float16")))
     quantization: str = field(default="auto", metadata=opt(
-        "Weight format on the CPU. w4a8: a GGUF's own blocks (Q4_0/Q4_1/Q4_K, Q5_K, Q6_K, Q8_0/Q5_0/Q5_1, the "
-        "file's weights exactly) times int8 activations in spec's VNNI kernel; other layers and a float head as "
+        "Weight format on the CPU. w4a8: a GGUF's own blocks (Q4_0/Q4_1/Q4_K, Q5_K/Q5_0/Q5_1, MXFP4, Q6_K, Q8_0, "
+        "the file's weights exactly) times int8 activations in spec's VNNI kernel; other layers and a float head as "
         "int8 groups of 32 in the same kernel; fastest for 1 token, and 8 cost under 2x. w8a8_int8: int8 weights "
         "(one scale per row) and int8 activations (one scale per token) in oneDNN's int8 GEMM, decoder layers and"
         " lm_head; 8 tokens cost about what 1 does. int4: weight-only groups of 32 in torch's kernel, several "

@@ -4,6 +4,7 @@
  * Q8_0's form, stored offset by 128 with min = -128 * scale), scale and min stored as fp16, or for
  * GGUF's Q4_K as it stores them (k_scales): scale = d * sc, min = -(dmin * m), with a uint8 sc and m
  * per group and fp16 d and dmin per 256 (both products exact in fp32; Q5_K: the same with q in 0..31);
+ * or q in 0..31 with fp16 scale and min (GGUF's Q5_0, Q5_1 and MXFP4, as gguf_quant.py decodes them);
  * or GGUF's Q6_K as it is:
  * w = d * sc * (q - 32), q in 0..63, an int8 sc per 16 weights, an fp16 d per 256.
  *
@@ -24,7 +25,7 @@
  * 8 vectors of 16 rows x 4 weights (byte 4 n + i of vector j is q[n][4 j + i]), the shape of one VNNI
  * instruction against 4 activation bytes broadcast. 8-bit: the 8 vectors as they are (512 bytes);
  * 4-bit: 4 chunks of 64 bytes, chunk c holding vector c in its low nibbles and vector c + 4 in its
- * high ones (256 bytes); 5-bit (Q5_K): those 4 chunks, then one of the high bits, vector j's in bit j
+ * high ones (256 bytes); 5-bit: those 4 chunks, then one of the high bits, vector j's in bit j
  * (320 bytes); 6-bit: those 4 chunks of the low 4 bits, then 2 chunks of the high 2 bits,
  * chunk c's bits 2t, 2t + 1 those of vector 4c + t (384 bytes: 0.82 bytes a weight, as Q6_K). Scales
  * and mins: fp16 [blocks][G][16] each. Q4_K and Q5_K: sc and m as uint8 [blocks][G][2][16] in the scales'
@@ -314,7 +315,8 @@ static void block_rows(const uint8_t *w, const uint16_t *ws, const uint16_t *wm,
     }
     if (bits == 8) ROWS_CASES(8, 0)
     else if (bits == 6) ROWS_CASES(6, 0)
-    else if (bits == 5) ROWS_CASES(5, 1)
+    else if (bits == 5 && kq) ROWS_CASES(5, 1)
+    else if (bits == 5) ROWS_CASES(5, 0)
     else if (kq) ROWS_CASES(4, 1)
     else ROWS_CASES(4, 0)
 #undef ROWS_CASES
@@ -375,8 +377,8 @@ int spec_w4a8_linear(const struct spec_w4a8_layer *L, const void *x, int bf16, i
     const int G = (int)(K / GROUP);
     int64_t N = 0, blocks = 0;
     for (const struct spec_w4a8_layer *s = L; s; s = s->next) {
-        const int supers = s->bits == 6 || s->k_scales;    /* per-256 scales; 5 bits come only with Q5_K's */
-        if (s->K != K || K % GROUP != 0 || (supers && G % 8 != 0) || (s->bits == 5 && !s->k_scales)) return -2;
+        const int supers = s->bits == 6 || s->k_scales;    /* per-256 scales */
+        if (s->K != K || K % GROUP != 0 || (supers && G % 8 != 0)) return -2;
         N += s->N, blocks += blocks_of(s);
     }
     const size_t need = (size_t)M * K + 2 * sizeof(float) * M * G + 2 * sizeof(int32_t) * M * G;

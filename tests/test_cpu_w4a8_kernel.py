@@ -3,11 +3,12 @@ GGUF groups, and a row's bits independent of the rows and threads beside it."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from engine.loader import gguf_quant
-from engine.models.quant import Int8GroupLinear, Q5KLinear, Q6KLinear, W4A8Linear
+from engine.models.quant import Int8GroupLinear, Q5Linear, Q6KLinear, W4A8Linear
 from spec_kernels import cpu_w4a8
 from tests.compiler import needs_compiler
 
@@ -112,17 +113,19 @@ def test_a_chain_of_layers_in_different_forms_is_their_outputs_side_by_side(dtyp
     assert together.shape == (11, 88) and torch.equal(together, alone)
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", "MXFP4"])
 def test_a_linear_from_gguf_groups_holds_the_files_weights(kind, monkeypatch):
-    """Blocks as a GGUF stores them -> W4A8Linear (Q5KLinear, Q6KLinear, Int8GroupLinear), packed in slices of 16
+    """Blocks as a GGUF stores them -> W4A8Linear (Q5Linear, Q6KLinear, Int8GroupLinear), packed in slices of 16
     rows: it holds the weights gguf dequantizes, bit for bit, and its product is theirs with the
-    activations rounded to int8 groups."""
+    activations rounded to int8 groups. (MXFP4 with exponents whose scales fp16 holds, as real weights'.)"""
     import gguf
 
     from tests.gguf_files import gguf_blocks
 
     raw = gguf_blocks(kind, 40, 512)
-    cls = {"Q5_K": Q5KLinear, "Q6_K": Q6KLinear, "Q4_1": W4A8Linear, "Q4_K": W4A8Linear}.get(kind, Int8GroupLinear)
+    if kind == "MXFP4":
+        raw[:, ::17] = np.random.default_rng(3).integers(110, 135, raw[:, ::17].shape)
+    cls = {"Q4_1": W4A8Linear, "Q4_K": W4A8Linear, "Q6_K": Q6KLinear, "Q8_0": Int8GroupLinear}.get(kind, Q5Linear)
     monkeypatch.setattr(cls, "SLICE", 16)
     linear = cls.from_groups(gguf_quant.decode(raw, kind, 40), None)
     weights = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])).reshape(40, 512)
@@ -136,7 +139,6 @@ def test_int8_groups_keep_q8_0_weights_exactly(monkeypatch):
     """A GGUF's Q8_0 tensor (SmolLM2's embedding and tied head), dequantized by gguf and quantized
     again into int8 groups (three slices of rows here), holds the same weights."""
     import gguf
-    import numpy as np
 
     raw = gguf.quants.quantize(np.random.default_rng(1).standard_normal((48, 256)).astype(np.float32),
                                gguf.GGMLQuantizationType.Q8_0)

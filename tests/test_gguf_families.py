@@ -15,7 +15,7 @@ from engine import Engine, ModelLoadError
 from engine.core.forward_batch import make_batch
 from engine.loader import convert_gguf, iter_weights, load_config, transformers_model
 from engine.loader.gguf_quant import gguf_groups
-from engine.models.quant import Int8GroupLinear, W4A8Linear
+from engine.models.quant import Int8GroupLinear, Q5Linear, W4A8Linear
 from spec_kernels import cpu_w4a8
 from tests.compiler import require
 from tests.gguf_files import gguf_tokenizer, write_tiny_gguf
@@ -44,7 +44,7 @@ FAMILIES = {
 }
 # Phi-3's fused projections as llama.cpp stores them, everyone else's MLP and experts' parts.
 QUANTIZED = {"gate_proj": "Q4_0", "up_proj": "Q4_0", "down_proj": "Q8_0", "qkv_proj": "Q4_0", "gate_up_proj": "Q4_0"}
-# GPT-OSS's experts as its files hold them: MXFP4, kept as 8-bit groups (engine/loader/gguf_quant.py).
+# GPT-OSS's experts as its files hold them: MXFP4, kept as 5-bit groups (engine/loader/gguf_quant.py).
 QUANTIZED_AS = {"gpt_oss": {"gate_proj": "MXFP4", "up_proj": "MXFP4", "down_proj": "MXFP4"}}
 
 
@@ -94,8 +94,8 @@ def test_quantized_gguf_keeps_its_blocks_and_serves_them(family, tmp_path, monke
     # The checkpoint's names of its gate/up projection: Phi-3's fused as llama.cpp stores it.
     gate_up = [f"{mlp}.gate_up_proj.weight"] if arch == "phi3" else [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"]
     groups, weights = gguf_groups(converted), dict(iter_weights(converted))
-    gate_up_bits = 8 if arch == "gpt_oss" else 4
-    assert {groups(n).bits for n in gate_up} == {gate_up_bits} and groups(f"{mlp}.down_proj.weight").bits == 8
+    gate_up_bits, down_bits = (5, 5) if arch == "gpt_oss" else (4, 8)
+    assert {groups(n).bits for n in gate_up} == {gate_up_bits} and groups(f"{mlp}.down_proj.weight").bits == down_bits
 
     runner, kv = tiny_runner(converted)
     ids = tokenizer("hello world, the quick brown fox").input_ids
@@ -107,8 +107,8 @@ def test_quantized_gguf_keeps_its_blocks_and_serves_them(family, tmp_path, monke
 
     with Engine(planner=untimed, model_path=str(converted), quantization="w4a8", max_total_tokens=2048) as eng:
         layers = eng.debug.target.model.get_submodule(mlp)
-        assert type(layers.gate_up_proj) is {4: W4A8Linear, 8: Int8GroupLinear}[gate_up_bits]
-        assert type(layers.down_proj) is Int8GroupLinear
+        kinds = {4: W4A8Linear, 5: Q5Linear, 8: Int8GroupLinear}
+        assert type(layers.gate_up_proj) is kinds[gate_up_bits] and type(layers.down_proj) is kinds[down_bits]
         assert torch.equal(layers.gate_up_proj.dequantized(), torch.cat([weights[n] for n in gate_up]))
         assert torch.equal(layers.down_proj.dequantized(), weights[f"{mlp}.down_proj.weight"])
         assert len(eng.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]) == GREEDY["max_new_tokens"]

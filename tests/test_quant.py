@@ -33,7 +33,7 @@ def test_gguf_blocks_decode_bit_exactly(kind, monkeypatch):
     assert torch.equal(gguf_quant.dequantize(groups), theirs)
     monkeypatch.setattr(gguf_quant, "_SLICE_BYTES", 3 * 512 * 4)
     assert torch.equal(gguf_quant.dequantize(groups), theirs)
-    assert groups.bits == {"Q5_K": 5, "Q6_K": 6, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4}.get(kind, 8)
+    assert groups.bits == {"Q6_K": 6, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4}.get(kind, 5)
     assert (groups.super is None) == (kind not in ("Q4_K", "Q5_K", "Q6_K"))
 
 
@@ -185,14 +185,14 @@ def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tie, tmp_path, monk
     """Q4_K layers (gate/up) and embedding, a Q5_K one (o_proj), Q6_K ones (down_proj, v_proj beside Q4_K
     q/k) and an untied Q6_K head: the converted directory keeps their blocks bit-exactly; under w4a8 the target serves
     gate/up, o_proj, down_proj, the embedding and the head (a tied one from the embedding's groups) from
-    them (W4A8Linear with Q4_K's own scales, Q5KLinear, Q6KLinear, GroupEmbedding, the fused q/k/v's mixed parts
+    them (W4A8Linear with Q4_K's own scales, Q5Linear, Q6KLinear, GroupEmbedding, the fused q/k/v's mixed parts
     chained in a MixedLinear: the file's weights exactly), and its logits are the float reference's
     within the activations' int8 rounding; a STANDALONE draft from the same file rounds the Q6_K ones to 4 bits and
     the output stays the target's."""
     from engine import Engine
     from engine.core.forward_batch import make_batch
     from engine.loader import convert_gguf, iter_weights
-    from engine.models.quant import GroupEmbedding, MixedLinear, Q5KLinear, Q6KLinear
+    from engine.models.quant import GroupEmbedding, MixedLinear, Q5Linear, Q6KLinear
 
     require(cpu_w4a8._kernel)
     monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
@@ -212,7 +212,7 @@ def test_gguf_k_quant_layers_and_head_are_served_as_they_are(tie, tmp_path, monk
     served = target.debug.target.model
     assert type(served.model.layers[1].mlp.down_proj) is Q6KLinear
     o_proj = served.model.layers[1].self_attn.o_proj
-    assert type(o_proj) is Q5KLinear and torch.equal(o_proj.dequantized(), weights["model.layers.1.self_attn.o_proj.weight"])
+    assert type(o_proj) is Q5Linear and torch.equal(o_proj.dequantized(), weights["model.layers.1.self_attn.o_proj.weight"])
     assert type(served.quant_head) is (W4A8Linear if tie else Q6KLinear)
     qkv = served.model.layers[0].self_attn.qkv_proj
     assert type(qkv) is MixedLinear and [type(p) for p in qkv.parts] == [W4A8Linear, W4A8Linear, Q6KLinear]

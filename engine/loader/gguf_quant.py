@@ -4,12 +4,12 @@
 (d, m; w = d * q + m) have this form with fp32 scale and min per 32 weights. Q4_K keeps its own:
 super-blocks of 256 with fp16 d and dmin, and per 32 a 6-bit scale sc and min m: w = d * sc * q - dmin * m
 (`scale_min` gives the fp32 scale and min per 32 that is, exactly).
-5 bits, Q5_K: Q4_K's scales and mins with q in 0..31.
+5 bits, q in 0..31: Q5_K with Q4_K's scales and mins; Q5_0 (d; w = d * (q - 16)) and Q5_1 (d, m;
+w = d * q + m) with fp32 scale and min per 32; and MXFP4 (GPT-OSS's experts: an e8m0 exponent e and 32
+e2m1 values v, w = v * 2^(e - 127)), whose doubled values 2v are integers in -12..12: q = 2v + 12 with
+scale 2^(e - 128) and min -12 * scale, exact in fp32.
 6 bits, Q6_K as it is: w = d * sc * (q - 32), q in 0..63, an int8 sc per 16 weights, an fp16 d per 256.
-8 bits, groups of 32 again: Q8_0 (d; w = d * q8, stored as q8 + 128 with min -128 d), Q5_0 (d;
-w = d * (q - 16)) and Q5_1 (d, m; w = d * q + m), q in 0..31 for the last two; and MXFP4 (GPT-OSS's
-experts: an e8m0 exponent e and 32 e2m1 values v, w = v * 2^(e - 127)), whose doubled values 2v are
-integers in -12..12: q = 2v + 128 with scale 2^(e - 128) and min -128 * scale, exact in fp32.
+8 bits, groups of 32 again: Q8_0 (d; w = d * q8, stored as q8 + 128 with min -128 d).
 `dequantize` of what `decode` gives equals gguf's own dequantization bit for bit (tests/test_quant.py).
 The engine serves these with its int4 kernels and its w4a8 kernel (engine/models/quant.py). Other
 types (Q2_K, Q3_K, IQ*) are left to the dequantized checkpoint.
@@ -32,7 +32,7 @@ _SLICE_BYTES = 16 << 20         # dequantize's output per slice
 class Groups(NamedTuple):
     """A GGUF tensor's own weights, [N, K] by rows. 4 bits: q packed two to a byte [N, K / 2] (`pack`),
     scale and min [N, K / 32]: fp32, or Q4_K's uint8 sc and m with `super` its fp16 (d, dmin)
-    [N, K / 256, 2]. 5 bits: q [N, K] in 0..31 with Q4_K's scales. 6 bits: q [N, K] in 0..63, int8
+    [N, K / 256, 2]. 5 bits: q [N, K] in 0..31 with Q4_K's scales, or fp32 scale and min [N, K / 32]. 6 bits: q [N, K] in 0..63, int8
     scales [N, K / 16], `super` d [N, K / 256, 1].
     8 bits: q [N, K] uint8, fp32 scale and min [N, K / 32]."""
     bits: int
@@ -87,7 +87,7 @@ def decode(raw: np.ndarray, type_name: str, rows: int) -> Groups:
         low = (-8.0 * d).astype(np.float32) if type_name == "Q4_0" else \
             b[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
     q = q.reshape(rows, -1)
-    bits = {"Q5_K": 5, "Q6_K": 6, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8, "MXFP4": 8}.get(type_name, 4)
+    bits = {"Q5_K": 5, "Q6_K": 6, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "MXFP4": 5}.get(type_name, 4)
     return Groups(bits, pack(q) if bits == 4 else torch.from_numpy(q),
                   *(None if t is None else torch.from_numpy(np.ascontiguousarray(t)).reshape(rows, -1, *t.shape[2:])
                     for t in (scale, low, sup)))
@@ -106,15 +106,15 @@ _E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -1
 
 
 def _mxfp4(b: np.ndarray) -> tuple[np.ndarray, ...]:
-    """MXFP4: the exponent byte, then 16 bytes of codes (weights 0-15 low nibbles, 16-31 high) -> 8-bit q
-    [blocks, 32], scale and min [blocks]. Exponents past 247 (weights of 2^120 and more) would overflow
-    q * scale in fp32: no model has them, a damaged file may."""
+    """MXFP4: the exponent byte, then 16 bytes of codes (weights 0-15 low nibbles, 16-31 high) -> 5-bit q
+    [blocks, 32], scale and min [blocks]. Exponents past 247 (weights of 2^120 and more) come near
+    overflowing q * scale in fp32: no model has them, a damaged file may."""
     if b[:, 0].max(initial=0) > 247:
         raise ValueError(f"an MXFP4 block's exponent is {int(b[:, 0].max())}, its weights beyond 2^120: "
                          "the file is damaged")
     codes = np.concatenate([b[:, 1:] & 0x0F, b[:, 1:] >> 4], axis=1)
     scale = np.ldexp(np.float32(1), b[:, 0].astype(np.int32) - 128).astype(np.float32)
-    return (_E2M1_DOUBLED[codes] + 128).astype(np.uint8), scale, -128 * scale
+    return (_E2M1_DOUBLED[codes] + 12).astype(np.uint8), scale, -12 * scale
 
 
 def _k_quant(b: np.ndarray, five: bool) -> tuple[np.ndarray, ...]:

@@ -10,10 +10,10 @@
   times int8 activations quantized in the same groups of 32, in our C kernel (kernels/cpu_w4a8.c:
   VNNI integer dot products, weights unpacked once for up to 8 rows, each row's result independent of
   the others). Q4_0/Q4_1 scale and min kept as fp16 (0.625 bytes per weight); Q4_K's own 6-bit
-  scales and mins and fp16 d and dmin per 256, as the file stores them (0.58). A target's Q5_K and
-  Q6_K layers and head are served as the file stores them too (Q5KLinear, Q6KLinear: the same kernel,
-  0.69 and 0.82 bytes a weight), and so are its Q8_0, Q5_0 and Q5_1 ones as 8-bit groups
-  (Int8GroupLinear); a fused projection whose parts come in different formats chains them
+  scales and mins and fp16 d and dmin per 256, as the file stores them (0.58). A target's 5-bit, Q6_K
+  and Q8_0 layers and head are served as the file stores them too (the same kernel: Q5Linear, Q5_K at
+  0.69 bytes a weight and Q5_0, Q5_1 and GPT-OSS's MXFP4 at 0.75; Q6KLinear, 0.82; Int8GroupLinear,
+  1.125); a fused projection whose parts come in different formats chains them
   (MixedLinear). Layers in other types (Q2_K, Q3_K, IQ*) and a float head become symmetric int8
   groups of 32 there; an embedding the GGUF stores in one of these types stays in it (GroupEmbedding),
   another one becomes int8 rows. A float checkpoint's linears are rounded to 4-bit groups. It reads
@@ -146,8 +146,7 @@ class W4A8Linear(nn.Module):
 
 
 class Int8GroupLinear(W4A8Linear):
-    """8-bit groups of 32 x int8 activations in the same kernel: under w4a8, a GGUF's Q8_0, Q5_0 and Q5_1
-    layers as stored, and float weights (a head, a layer the file keeps in another type) rounded to
+    """8-bit groups of 32 x int8 activations in the same kernel: under w4a8, a GGUF's Q8_0 layers as stored, and float weights (a head, a layer the file keeps in another type) rounded to
     symmetric int8 groups (Q8_0's form)."""
     bits = 8
 
@@ -173,9 +172,11 @@ class Q6KLinear(_BlocksLinear):
     bits = 6
 
 
-class Q5KLinear(_BlocksLinear):
-    """GGUF's Q5_K weights as they are (5-bit q with Q4_K's scales: 0.69 bytes a weight) x int8
-    activations in the same kernel: under w4a8, a GGUF's Q5_K layers (Q5_K_M files) and head."""
+class Q5Linear(_BlocksLinear):
+    """A GGUF's 5-bit groups as they are x int8 activations in the same kernel, under w4a8: Q5_K's with
+    Q4_K's scales (0.69 bytes a weight; Q5_K_M files), and Q5_0's, Q5_1's and MXFP4's (GPT-OSS's
+    experts) with an fp16 scale and min per 32 (0.75 bytes a weight; exact while a group's scale is
+    within fp16's range, as real weights' are: gguf_quant.py)."""
     bits = 5
 
 
@@ -331,10 +332,11 @@ class W8A8Linear(nn.Module):
 
 # --quantization's formats, and int8_groups: under w4a8, float linears kept in 8 bits.
 KINDS = {"int4": Int4Linear, "w8a8_int8": W8A8Linear, "w4a8": W4A8Linear, "int8_groups": Int8GroupLinear}
-# What the linears a GGUF stores in 4-bit groups become, per kind; a target's Q5_K, Q6_K and 8-bit ones
-# (Q8_0, Q5_0, Q5_1); and its other linears (Q3_K, ...): with w4a8 they keep 8 bits rather than being rounded to 4.
+# What the linears a GGUF stores in 4-bit groups become, per kind; a target's 5-bit (Q5_K, Q5_0, Q5_1,
+# MXFP4), Q6_K and Q8_0 ones; and its other linears (Q3_K, ...): with w4a8 they keep 8 bits rather than
+# being rounded to 4.
 FROM_GROUPS = {"int4": Int4Linear, "w4a8": W4A8Linear}
-WIDER_GROUPS = {"w4a8": {5: Q5KLinear, 6: Q6KLinear, 8: Int8GroupLinear}}
+WIDER_GROUPS = {"w4a8": {5: Q5Linear, 6: Q6KLinear, 8: Int8GroupLinear}}
 BESIDE_GROUPS = {"int4": "int4", "w4a8": "int8_groups"}
 # The head under each kind (int4 keeps a float one); the embedding is int8 rows beside a quantized head.
 HEADS = {"w8a8_int8": W8A8Linear, "w4a8": Int8GroupLinear, "int8_groups": Int8GroupLinear}
