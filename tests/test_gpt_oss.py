@@ -1,6 +1,6 @@
 """GPT-OSS beyond tests/test_families.py (greedy against transformers, every algorithm lossless): its
 MXFP4 checkpoints (experts as e2m1 blocks and power-of-two scales), dequantized at load as transformers
-dequantizes them, its sinks and experts under tensor parallelism, and what its GGUF files' header and
+dequantizes them or, quantized on a CPU, served from their blocks exactly, its sinks and experts under tensor parallelism, and what its GGUF files' header and
 MXFP4 blocks read as (tests/test_gguf_families.py serves them)."""
 
 from __future__ import annotations
@@ -15,7 +15,11 @@ from transformers import AutoModelForCausalLM
 
 from engine import Engine
 from engine.errors import ModelLoadError
+from engine.core.model_runner import resolve_quantization
 from engine.loader import convert_gguf, gguf_quant, iter_weights, load_config, load_tokenizer, mxfp4
+from engine.models.quant import Q5Linear
+from spec_kernels import cpu_w4a8
+from tests.compiler import require
 from tests.gguf_files import TEXTS, gguf_tokenizer, write_tiny_gguf
 from tests.lossless import GREEDY, prompts
 from tests.planning import untimed
@@ -89,6 +93,30 @@ def test_mxfp4_checkpoint_gives_transformers_greedy_tokens(checkpoints):
     ps = prompts()[:3]
     outs = tiny_engine(quant_dir).generate(input_ids=ps, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == [reference_generate(float_dir, p, GREEDY["max_new_tokens"]) for p in ps]
+
+
+def test_mxfp4_experts_serve_from_their_blocks_on_a_cpu(checkpoints, monkeypatch):
+    """Quantized on a CPU (auto picks a quantized format for an MXFP4 checkpoint; w4a8 here), each expert's
+    projections are 5-bit groups read from its blocks and scales, exactly the values stored, and never
+    dequantized to floats; speculation keeps that model's tokens."""
+    require(cpu_w4a8._kernel)
+    float_dir, quant_dir = checkpoints
+    assert resolve_quantization("auto", quant_dir, "cpu", "auto") in ("w4a8", "w8a8_int8", "int4")
+    monkeypatch.setattr(mxfp4, "dequantize", lambda *a, **k: pytest.fail("an MXFP4 tensor was dequantized"))
+    stored = dict(iter_weights(float_dir))
+    outs = []
+    for spec in ({}, {"speculative_algorithm": "NGRAM"}):
+        with Engine(planner=untimed, model_path=str(quant_dir), quantization="w4a8", max_total_tokens=1024,
+                    **spec) as eng:
+            experts = eng.debug.target.model.get_submodule("model.layers.1.mlp.experts")
+            for e in range(CONFIG["num_local_experts"]):
+                gate_up = stored["model.layers.1.mlp.experts.gate_up_proj"][e].T
+                down = stored["model.layers.1.mlp.experts.down_proj"][e].T
+                assert type(experts[e].gate_up_proj) is type(experts[e].down_proj) is Q5Linear
+                assert torch.equal(experts[e].gate_up_proj.dequantized(), torch.cat([gate_up[0::2], gate_up[1::2]]))
+                assert torch.equal(experts[e].down_proj.dequantized(), down)
+            outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts()[:3], sampling_params=GREEDY)])
+    assert outs[1] == outs[0]
 
 
 def test_sinks_and_experts_under_tensor_parallelism(checkpoints):

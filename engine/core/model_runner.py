@@ -55,10 +55,10 @@ _W8A8_MIN_WEIGHTS = 2_000_000
 
 def resolve_quantization(name: str, model_dir, device: str, dtype: str, config=None) -> Optional[str]:
     """What --quantization (or the draft's) means for this model: a kind of engine/models/quant.py, or
-    None. auto: a GGUF (its converted directory keeps the file's own blocks) on the CPU, unless float32 is
-    asked for: w4a8 where its kernel runs on VNNI, else the format that decodes it faster (see
-    _W8A8_MIN_WEIGHTS)."""
-    from engine.loader.gguf_quant import gguf_groups
+    None. auto: a GGUF (its converted directory keeps the file's own blocks) or an MXFP4 checkpoint (its
+    experts' blocks) on the CPU, unless float32 is asked for: w4a8 where its kernel runs on VNNI, else the
+    format that decodes it faster (see _W8A8_MIN_WEIGHTS)."""
+    from engine.loader import quantized_groups
     from engine.models.quant import KINDS
     from spec_kernels import cpu_w4a8
 
@@ -75,7 +75,7 @@ def resolve_quantization(name: str, model_dir, device: str, dtype: str, config=N
             raise ConfigError("--quantization w4a8 takes bfloat16 or float32 activations: drop --dtype float16, "
                               "or pick int4 or w8a8_int8.")
         return name
-    if name != "auto" or device != "cpu" or dtype == "float32" or gguf_groups(model_dir) is None:
+    if name != "auto" or device != "cpu" or dtype == "float32" or quantized_groups(model_dir) is None:
         return None
     if cpu_w4a8.kernel_name() == "avx512-vnni" and dtype != "float16":
         return "w4a8"
@@ -103,13 +103,12 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
                prepack: bool = True, quantization: Optional[str] = None, draft: bool = False) -> nn.Module:
     """Build the target architecture on `device` and load its weights, quantized as `quantization`
     says (engine/models/quant.py: the decoder's linears as they are read, so the float model never
-    exists whole; a GGUF's own blocks as quant.install_gguf_groups says, exactly);
+    exists whole; a GGUF's own blocks and an MXFP4 checkpoint's experts as quant.install_gguf_groups says, exactly);
     the remaining CPU linears are prepacked when there is memory for it and `prepack`
     (engine/models/prepack.py; a compiled model packs its own). Under tensor parallelism the model is
     this rank's block. A `draft` is quantized as quant.DRAFT_HEADS says. `model.weight_bytes` tells what it holds."""
     from engine.distributed.sharding import local_config, local_groups
-    from engine.loader import iter_weights
-    from engine.loader.gguf_quant import gguf_groups
+    from engine.loader import iter_weights, quantized_groups
     from engine.models.fp8 import describe as fp8_paths, fp8_sinks
     from engine.models.quant import (BESIDE_GROUPS, FROM_GROUPS, install_gguf_groups, quantize_while_loading,
                                      release_freed_memory)
@@ -123,8 +122,9 @@ def load_model(model_dir, config, dtype: torch.dtype, device: str, max_positions
     model.config = config
     model.to(dtype)
     materialize(model, device)
-    groups = gguf_groups(model_dir) if quantization in FROM_GROUPS else None
+    groups = quantized_groups(model_dir) if quantization in FROM_GROUPS else None
     provided = install_gguf_groups(model, local_groups(groups), quantization, draft) if groups else set()
+    provided = groups.sources(provided) if groups else provided      # the checkpoint's names of what they hold
     # A draft's GGUF layers stored above 4 bits are rounded to its kind too (quant.DRAFT_HEADS says why).
     beside = quantization if draft else BESIDE_GROUPS.get(quantization)
     fp8 = checkpoint_of(model_dir)

@@ -106,14 +106,19 @@ _E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -1
 
 
 def _mxfp4(b: np.ndarray) -> tuple[np.ndarray, ...]:
-    """MXFP4: the exponent byte, then 16 bytes of codes (weights 0-15 low nibbles, 16-31 high) -> 5-bit q
-    [blocks, 32], scale and min [blocks]. Exponents past 247 (weights of 2^120 and more) come near
-    overflowing q * scale in fp32: no model has them, a damaged file may."""
-    if b[:, 0].max(initial=0) > 247:
-        raise ValueError(f"an MXFP4 block's exponent is {int(b[:, 0].max())}, its weights beyond 2^120: "
+    """MXFP4 as GGUF stores it: the exponent byte, then 16 bytes of codes (weights 0-15 low nibbles, 16-31
+    high) -> 5-bit q [blocks, 32], scale and min [blocks]."""
+    return e2m1(np.concatenate([b[:, 1:] & 0x0F, b[:, 1:] >> 4], axis=1), b[:, 0])
+
+
+def e2m1(codes: np.ndarray, exponents: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MXFP4's e2m1 codes [..., 32 a group] and e8m0 exponents [..., one a group] -> the 5-bit form above:
+    q (uint8, codes' shape), scale and min (fp32, exponents' shape). Exponents past 247 (weights of 2^120
+    and more) come near overflowing q * scale in fp32: no model has them, a damaged file may."""
+    if exponents.max(initial=0) > 247:
+        raise ValueError(f"an MXFP4 block's exponent is {int(exponents.max())}, its weights beyond 2^120: "
                          "the file is damaged")
-    codes = np.concatenate([b[:, 1:] & 0x0F, b[:, 1:] >> 4], axis=1)
-    scale = np.ldexp(np.float32(1), b[:, 0].astype(np.int32) - 128).astype(np.float32)
+    scale = np.ldexp(np.float32(1), exponents.astype(np.int32) - 128).astype(np.float32)
     return (_E2M1_DOUBLED[codes] + 12).astype(np.uint8), scale, -12 * scale
 
 
@@ -195,6 +200,11 @@ class StoredGroups:
 
     def names(self) -> list[str]:
         return [n.rsplit(".", 1)[0] for n in self._reader.names() if n.rsplit(".", 1)[1] in _BITS]
+
+    def sources(self, provided: set[str]) -> set[str]:
+        """The checkpoint's tensors that hold nothing but what `provided` (names given as groups) holds:
+        the same names here."""
+        return provided
 
     def __call__(self, name: str):
         for bits in _BITS.values():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -34,9 +35,15 @@ class SafetensorsFile:
         """Tensor names in file order."""
         return sorted(self.header, key=lambda n: self.header[n]["data_offsets"][0])
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, index: Optional[int] = None) -> torch.Tensor:
+        """The tensor, or with `index` its index-th entry along the first dimension alone (only its bytes
+        read: one expert of a stacked tensor)."""
         meta = self.header[name]
         start, end = meta["data_offsets"]
+        shape = meta["shape"]
+        if index is not None:
+            step = (end - start) // shape[0]
+            start, end, shape = start + index * step, start + (index + 1) * step, shape[1:]
         dtype = _SAFETENSORS_DTYPES.get(meta["dtype"])
         with reading(self.file), open(self.file, "rb") as f:
             if dtype is None:
@@ -45,7 +52,7 @@ class SafetensorsFile:
             data = bytearray(end - start)
             if f.readinto(data) != end - start:
                 raise ValueError(f"{name} is cut short")
-        return (torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)).view(meta["shape"])
+        return (torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)).view(shape)
 
 
 _DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}

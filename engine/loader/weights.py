@@ -75,6 +75,17 @@ def iter_weights(model_dir: Path, select: Optional[Callable[[str], bool]] = None
     yield from fp8_quant.paired(_iter_stored(model_dir, chosen), checkpoint, keep_fp8)
 
 
+def quantized_groups(model_dir: Path):
+    """A checkpoint's weights that the CPU's quantized layers take as groups (gguf_quant.Groups, by
+    weight name): a converted GGUF's own blocks, or an MXFP4 checkpoint's experts; None for others."""
+    from engine.loader import fp8_quant, mxfp4
+    from engine.loader.gguf_quant import gguf_groups
+
+    if mxfp4.is_mxfp4(fp8_quant.quantization_config(model_dir)):
+        return mxfp4.ExpertGroups(f for f in weight_files(Path(model_dir)) if f.suffix == ".safetensors")
+    return gguf_groups(model_dir)
+
+
 def _iter_stored(model_dir: Path, select: Optional[Callable[[str], bool]]) -> Iterator[tuple[str, torch.Tensor]]:
     from engine.loader.gguf_quant import dequantize, gguf_groups
 

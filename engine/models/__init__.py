@@ -16,7 +16,7 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,     # MLA, MoE and a nextn layer, which the target skips
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,         # Gemma 3's text decoder (gemma3_text)
-    "GptOssForCausalLM": GptOssForCausalLM,       # MXFP4 experts dequantized at load
+    "GptOssForCausalLM": GptOssForCausalLM,       # MXFP4 experts: engine/loader/mxfp4.py
     "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,

@@ -10,7 +10,8 @@ whose gate is clamped above and whose up projection is clamped both ways at `swi
 Checkpoints stack each layer's experts in one tensor ([experts, in, out], gate and up columns
 interleaved); they are cut into each expert's gate, up and down layers as they load, so moe.Experts
 runs them and quantization, prepacking and tensor parallelism treat them as any family's. MXFP4
-experts (the released checkpoints') come dequantized from the loader (engine/loader/mxfp4.py).
+experts (the released checkpoints') come dequantized from the loader, or as 5-bit groups for the CPU's
+quantized layers (engine/loader/mxfp4.py).
 """
 
 from __future__ import annotations
