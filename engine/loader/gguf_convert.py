@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 # In a folder of its own, so that the checkpoint's *.safetensors stay the float weights alone.
 # Bumped when what a conversion writes changes: older cached directories are converted again.
-_FORMAT = 8
+_FORMAT = 9
 
 
 def converted_root() -> Path:
