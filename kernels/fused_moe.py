@@ -4,17 +4,21 @@ reads each chosen expert's weights once and no expert it did not choose.
 
 Layout:
 - x [T, H]; ids, weights [T, K]: each token's K experts and their routing weights;
-- w_gate_up [E, 2I, H] (each expert's gate rows, then its up rows), w_down [E, H, I];
+- w_gate_up [E, 2I, H] (each expert's gate rows, then its up rows), w_down [E, H, I]; biases, where the
+  experts have them (GPT-OSS's), [E, 2I] and [E, H];
 - `align_by_expert` sorts the T*K pairs by expert and pads each expert's run to a multiple of BLOCK_M,
   in tensors whose sizes depend on T, K and E only (no host synchronisation, so a CUDA graph can
   capture a step): pair p = t * K + k; padding entries hold T * K and are skipped.
-The first GEMM gives each pair its expert's gate and up projections of its token, SiLU(gate) * up runs
-in torch, the second GEMM gives each pair its expert's down projection scaled by its routing weight, and
-a sum over each token's K pairs gives the output. `fused_moe_reference` computes the same in plain torch
+The first GEMM gives each pair its expert's gate and up projections of its token (plus bias), the
+experts' activation runs in torch (SiLU(gate) * up, or GPT-OSS's clamped one: `act`), the second GEMM
+gives each pair its expert's down projection (plus bias) scaled by its routing weight, and a sum over
+each token's K pairs gives the output. `fused_moe_reference` computes the same in plain torch
 (expert by expert); tests compare the two (on CPU under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,12 +38,13 @@ def available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _grouped_gemm_kernel(a, w, out, pairs, block_expert, pair_weights, n_pairs, N, Kdim,
-                             stride_am, stride_we, stride_wn, stride_om, top_k: tl.constexpr,
-                             A_PER_PAIR: tl.constexpr, SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[p, n-block] = a[row(p)] @ w[expert].T (times pair p's weight when SCALE) for the pairs p of
-        block program_id(0); row(p) is p's token (a = x) or p itself (a = the pairs' activations)."""
+    def _grouped_gemm_kernel(a, w, out, pairs, block_expert, pair_weights, bias, n_pairs, N, Kdim,
+                             stride_am, stride_we, stride_wn, stride_om, stride_be, top_k: tl.constexpr,
+                             A_PER_PAIR: tl.constexpr, SCALE: tl.constexpr, BIAS: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[p, n-block] = a[row(p)] @ w[expert].T (plus bias[expert] when BIAS, then times pair p's
+        weight when SCALE) for the pairs p of block program_id(0); row(p) is p's token (a = x) or p itself
+        (a = the pairs' activations)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         expert = tl.load(block_expert + pid_m)
         if expert >= 0:
@@ -56,6 +61,8 @@ if triton is not None:
                 w_tile = tl.load(w + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None],
                                  mask=(offs_n[None, :] < N) & (offs_k[:, None] < Kdim), other=0.0)
                 acc += tl.dot(a_tile, w_tile)
+            if BIAS:
+                acc += tl.load(bias + expert * stride_be + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
             if SCALE:
                 acc *= tl.load(pair_weights + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
             tl.store(out + pair[:, None] * stride_om + offs_n[None, :], acc.to(out.dtype.element_ty),
@@ -85,39 +92,52 @@ def align_by_expert(ids: torch.Tensor, experts: int, block_m: int = BLOCK_M) -> 
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor, block_expert: torch.Tensor, top_k: int,
-                  n_pairs: int, a_per_pair: bool, pair_weights: torch.Tensor | None = None,
+                  n_pairs: int, a_per_pair: bool, bias: torch.Tensor | None, pair_weights: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     out = torch.empty((n_pairs, w.shape[1]), dtype=out_dtype or a.dtype, device=a.device)
     grid = (block_expert.numel(), triton.cdiv(w.shape[1], BLOCK_N))
     _grouped_gemm_kernel[grid](
-        a, w, out, pairs, block_expert, pair_weights if pair_weights is not None else out, n_pairs, w.shape[1],
-        w.shape[2], a.stride(0), w.stride(0), w.stride(1), out.stride(0), top_k=top_k, A_PER_PAIR=a_per_pair,
-        SCALE=pair_weights is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        a, w, out, pairs, block_expert, pair_weights if pair_weights is not None else out,
+        bias if bias is not None else out, n_pairs, w.shape[1], w.shape[2], a.stride(0), w.stride(0), w.stride(1),
+        out.stride(0), bias.stride(0) if bias is not None else 0, top_k=top_k, A_PER_PAIR=a_per_pair,
+        SCALE=pair_weights is not None, BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return out
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation."""
+    return F.silu(gate) * up
+
+
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
-    """[T, H]: each token's chosen experts' SwiGLU MLPs summed by their routing weights."""
+              ids: torch.Tensor, b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
+              act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = silu_mul) -> torch.Tensor:
+    """[T, H]: each token's chosen experts' MLPs (act(gate, up) between the projections) summed by their
+    routing weights."""
     tokens, top_k = ids.shape
     n_pairs, inter = tokens * top_k, w_down.shape[2]
     pairs, block_expert = align_by_expert(ids, w_gate_up.shape[0])
     x, w_gate_up, w_down = x.contiguous(), w_gate_up.contiguous(), w_down.contiguous()
-    gate_up = _grouped_gemm(x, w_gate_up, pairs, block_expert, top_k, n_pairs, a_per_pair=False)
-    act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).contiguous()
-    down = _grouped_gemm(act, w_down, pairs, block_expert, top_k, n_pairs, a_per_pair=True,
+    gate_up = _grouped_gemm(x, w_gate_up, pairs, block_expert, top_k, n_pairs, a_per_pair=False, bias=b_gate_up)
+    hidden = act(gate_up[:, :inter], gate_up[:, inter:]).contiguous()
+    down = _grouped_gemm(hidden, w_down, pairs, block_expert, top_k, n_pairs, a_per_pair=True, bias=b_down,
                          pair_weights=weights.reshape(-1).contiguous(), out_dtype=torch.float32)
     return down.view(tokens, top_k, -1).sum(1).to(x.dtype)       # each token's K experts summed in float32
 
 
 def fused_moe_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
-                        ids: torch.Tensor) -> torch.Tensor:
+                        ids: torch.Tensor, b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
+                        act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = silu_mul) -> torch.Tensor:
     """The same in torch, expert by expert, in float32."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     inter = w_down.shape[2]
     for e in ids.unique().tolist():
         rows, slot = (ids == e).nonzero(as_tuple=True)
         gate_up = x[rows].float() @ w_gate_up[e].float().T
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        out.index_add_(0, rows, (act @ w_down[e].float().T) * weights[rows, slot, None].float())
+        if b_gate_up is not None:
+            gate_up = gate_up + b_gate_up[e].float()
+        down = act(gate_up[:, :inter], gate_up[:, inter:]) @ w_down[e].float().T
+        if b_down is not None:
+            down = down + b_down[e].float()
+        out.index_add_(0, rows, down * weights[rows, slot, None].float())
     return out.to(x.dtype)

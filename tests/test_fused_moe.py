@@ -1,5 +1,5 @@
-"""The Triton mixture-of-experts kernel against its torch reference (on CPU in Triton's interpreter), and
-the reference against the engine's experts: the pairs' alignment by expert, batches from one token to
+"""The Triton mixture-of-experts kernel against its torch reference (on CPU in Triton's interpreter), with
+GPT-OSS's biases and clamped activation too, and the reference against the engine's experts: the pairs' alignment by expert, batches from one token to
 more pairs than experts' blocks, experts no token chose, one expert chosen by every token."""
 
 from __future__ import annotations
@@ -46,13 +46,25 @@ def test_alignment_lists_each_pair_once_under_its_expert(tokens):
     assert set(block_expert[block_expert >= 0].tolist()) == set(ids.unique().tolist())
 
 
+def clamped(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's activation, clamped at 0.5 (so that the clamps matter at these sizes)."""
+    gate, up = gate.clamp(max=0.5), up.clamp(-0.5, 0.5)
+    return (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+
+
 @pytest.mark.parametrize("tokens, only", [(1, None), (5, None), (37, None), (9, 4)])
-def test_kernel_matches_the_reference(tokens, only):
+@pytest.mark.parametrize("with_biases", [False, True])
+def test_kernel_matches_the_reference(tokens, only, with_biases):
+    """Plain SwiGLU experts; with biases, GPT-OSS's: both biases added in the GEMMs, its clamped
+    activation between them."""
     weights, ids = routing(tokens, seed=7 + tokens, only=only)
     w_gate_up, w_down = expert_weights(seed=1)
+    g = torch.Generator().manual_seed(3)
+    extra = dict(b_gate_up=torch.randn(E, 2 * INTER, generator=g), b_down=torch.randn(E, H, generator=g),
+                 act=clamped) if with_biases else {}
     x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(2))
-    got = fused.fused_moe(x, w_gate_up, w_down, weights, ids)
-    torch.testing.assert_close(got, fused.fused_moe_reference(x, w_gate_up, w_down, weights, ids),
+    got = fused.fused_moe(x, w_gate_up, w_down, weights, ids, **extra)
+    torch.testing.assert_close(got, fused.fused_moe_reference(x, w_gate_up, w_down, weights, ids, **extra),
                                rtol=1e-4, atol=1e-5)
 
 
@@ -75,20 +87,33 @@ def test_reference_is_the_engines_experts():
                                    rtol=1e-5, atol=1e-6)
 
 
-def test_stacked_experts_run_in_the_kernel_on_their_own_weights():
-    """Experts.stack (done at load on CUDA): the experts' weights become views of the stacked tensors
-    the kernel reads, and the layer's output is what the experts computed before stacking."""
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_stacked_experts_run_in_the_kernel_on_their_own_weights(family):
+    """Experts.stack (done at load on CUDA): the experts' weights (and GPT-OSS's biases) become views of
+    the stacked tensors the kernel reads, and the layer's output (GPT-OSS's clamped activation between
+    the kernel's GEMMs) is what the experts computed before stacking."""
     from types import SimpleNamespace
 
+    from engine.models.gpt_oss import GptOssExperts
     from engine.models.moe import Experts
 
-    experts = Experts(SimpleNamespace(hidden_size=H, intermediate_size=INTER), E, INTER)
+    config = SimpleNamespace(hidden_size=H, intermediate_size=INTER, swiglu_limit=0.5)
+    experts = (GptOssExperts if family == "gpt_oss" else Experts)(config, E, INTER)
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / H ** 0.5)
     weights, ids = routing(13, seed=9)
     x = torch.randn(13, H, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         before = experts(x, weights, ids)
         assert experts.stack()
-        gate_up, down = experts.stacked
-        assert experts[3].gate_up_proj.weight.data_ptr() == gate_up[3].data_ptr()
-        assert experts[5].down_proj.weight.data_ptr() == down[5].data_ptr()
+        stacked = experts.stacked
+        assert experts[3].gate_up_proj.weight.data_ptr() == stacked.gate_up[3].data_ptr()
+        assert experts[5].down_proj.weight.data_ptr() == stacked.down[5].data_ptr()
+        if family == "gpt_oss":
+            assert experts[2].gate_up_proj.bias.data_ptr() == stacked.gate_up_bias[2].data_ptr()
+            assert experts[4].down_proj.bias.data_ptr() == stacked.down_bias[4].data_ptr()
+        else:
+            assert stacked.gate_up_bias is None and stacked.down_bias is None
         torch.testing.assert_close(experts(x, weights, ids), before, rtol=1e-4, atol=1e-5)

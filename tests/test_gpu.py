@@ -89,10 +89,15 @@ def test_greedy_identical_on_cuda(algo, shape, mode, target, plain, tmp_path):
         assert eng.debug.target.graphs is not None and eng.debug.target.graphs._graphs, "no CUDA graph was captured"
 
 
-@pytest.fixture(scope="module")
-def moe_target(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("moe"), "qwen3_moe", layers=2, num_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=32, seed=3)
+# Mixtures whose experts run in the kernel: plain SwiGLU experts, and GPT-OSS's with biases and clamps.
+MOE_TARGETS = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+               "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0)}
+
+
+@pytest.fixture(scope="module", params=list(MOE_TARGETS))
+def moe_target(request, tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp(request.param), request.param, layers=2, seed=3,
+                      **MOE_TARGETS[request.param])
 
 
 @pytest.mark.parametrize("algo", ["NGRAM", "EAGLE3"])

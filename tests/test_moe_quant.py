@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine.loader import gguf_quant
+from engine.models.gpt_oss import GptOssExperts
 from engine.models.moe import Experts
 from engine.models.quant import Int8GroupLinear, W4A8Linear
 from spec_kernels import cpu_w4a8
@@ -25,15 +26,21 @@ HIDDEN, INTER, COUNT, TOP_K = 64, 96, 6, 2
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 
 
-def experts(quantized: bool) -> Experts:
-    """COUNT experts with Q4_0 gate/up and Q8_0 down blocks: as w4a8 layers built from the blocks, or as
-    float linears holding the weights those layers compute with."""
-    config = SimpleNamespace(hidden_size=HIDDEN, intermediate_size=INTER)
-    module = Experts(config, COUNT, INTER)
+def experts(quantized: bool, family: str = "llama") -> Experts:
+    """COUNT experts (SwiGLU MLPs, or GPT-OSS's clamped ones with biases) with Q4_0 gate/up and Q8_0 down
+    blocks: as w4a8 layers built from the blocks, or as float linears holding the weights those layers
+    compute with."""
+    config = SimpleNamespace(hidden_size=HIDDEN, intermediate_size=INTER, swiglu_limit=1.0, swiglu_alpha=1.702)
+    module = (GptOssExperts if family == "gpt_oss" else Experts)(config, COUNT, INTER)
+    g = torch.Generator().manual_seed(9)
     for e, mlp in enumerate(module):
         gate_up = gguf_quant.decode(gguf_blocks("Q4_0", 2 * INTER, HIDDEN, seed=e), "Q4_0", 2 * INTER)
         down = gguf_quant.decode(gguf_blocks("Q8_0", HIDDEN, INTER, seed=100 + e), "Q8_0", HIDDEN)
-        layers = W4A8Linear.from_groups(gate_up, None), Int8GroupLinear.from_groups(down, None)
+        biases = [linear.bias for linear in (mlp.gate_up_proj, mlp.down_proj)]     # None but GPT-OSS's
+        with torch.no_grad():
+            for bias in (b for b in biases if b is not None):
+                bias.copy_(torch.randn(bias.shape, generator=g) * 0.1)
+        layers = W4A8Linear.from_groups(gate_up, biases[0]), Int8GroupLinear.from_groups(down, biases[1])
         if quantized:
             mlp.gate_up_proj, mlp.down_proj = layers
         else:
@@ -50,12 +57,14 @@ def routed(tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torc
     return torch.randn(tokens, HIDDEN, generator=g), torch.rand(tokens, TOP_K, generator=g).softmax(-1), ids
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_w4a8_experts_are_each_experts_own_layers(dtype):
-    """One call per projection for all chosen experts equals, bit for bit, each chosen expert's own
-    layers on its rows; and a token's output is the same alone as among others (verification's rows)."""
+def test_grouped_w4a8_experts_are_each_experts_own_layers(dtype, family):
+    """One call per projection for all chosen experts (biases and GPT-OSS's clamped activation included)
+    equals, bit for bit, each chosen expert's own layers on its rows; and a token's output is the same
+    alone as among others (verification's rows)."""
     require(cpu_w4a8._kernel)
-    module = experts(quantized=True)
+    module = experts(quantized=True, family=family)
     x, weights, ids = routed(11)
     x, weights = x.to(dtype), weights.to(dtype)
     with torch.no_grad():

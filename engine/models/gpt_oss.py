@@ -62,9 +62,11 @@ class ClampedSwiGLU(MLP):
         self.limit = config.swiglu_limit
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(self.act(*self.gate_up_proj(x).split(self.inter, dim=-1)))
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-        return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 class GptOssExperts(Experts):

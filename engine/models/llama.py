@@ -150,8 +150,13 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if cpu_elementwise.usable(gate_up):
             return self.down_proj(cpu_elementwise.silu_mul(gate_up))
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.act(*gate_up.split(self.inter, dim=-1)))
+
+    @staticmethod
+    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The activation between the projections, of gate and up apart (a mixture's stacked experts
+        run it between their kernel's two GEMMs: engine/models/moe.py)."""
+        return nn.functional.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):

@@ -14,7 +14,7 @@ behind `MoE`.
 from __future__ import annotations
 
 import itertools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,29 +25,44 @@ from engine.models.quant import W4A8_LAYERS
 from spec_kernels import cpu_elementwise, cpu_w4a8, fused_moe
 
 
+class Stacked(NamedTuple):
+    """A mixture's experts' weights stacked for kernels/fused_moe.py (Experts.stack)."""
+    gate_up: torch.Tensor                   # [E, 2I, H]
+    gate_up_bias: Optional[torch.Tensor]    # [E, 2I] or None
+    down: torch.Tensor                      # [E, H, I]
+    down_bias: Optional[torch.Tensor]       # [E, H] or None
+
+
 class Experts(nn.ModuleList):
     """The experts' MLPs; `forward` sums, per token, its chosen experts' outputs by their weights."""
     expert = MLP        # a family whose experts compute otherwise (GPT-OSS's) brings its own
 
     def __init__(self, config, count: int, intermediate_size: int):
         super().__init__(self.expert(config, intermediate_size) for _ in range(count))
-        self.stacked: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.stacked: Optional[Stacked] = None
 
     def stack(self) -> bool:
-        """Lay the experts' gate/up and down weights out as two stacked tensors [E, 2I, H] and [E, H, I],
-        each expert's own weights becoming views of them (no second copy), for kernels/fused_moe.py's
-        Triton kernel: on CUDA it runs every chosen expert in two launches with no host synchronisation,
-        so a step with experts can be captured in a CUDA graph. Only plain float experts (False otherwise:
-        quantized layers, GPT-OSS's experts)."""
-        if self.expert is not MLP or not fused_moe.available() or not all(
-                type(p) is nn.Linear and p.bias is None for m in self for p in (m.gate_up_proj, m.down_proj)):
+        """Lay the experts' gate/up and down weights out as two stacked tensors [E, 2I, H] and [E, H, I]
+        (and their biases, where they have them: GPT-OSS's), each expert's own becoming views of them (no
+        second copy), for kernels/fused_moe.py's Triton kernel: on CUDA it runs every chosen expert in two
+        launches with no host synchronisation, so a step with experts can be captured in a CUDA graph.
+        Only float experts (False otherwise: quantized layers)."""
+        linears = [p for m in self for p in (m.gate_up_proj, m.down_proj)]
+        if not fused_moe.available() or not all(type(p) is nn.Linear for p in linears) or \
+                len({p.bias is None for p in linears}) > 1:
             return False
-        with torch.no_grad():
-            gate_up = torch.stack([m.gate_up_proj.weight for m in self])
-            down = torch.stack([m.down_proj.weight for m in self])
-        for e, m in enumerate(self):
-            m.gate_up_proj.weight.data, m.down_proj.weight.data = gate_up[e], down[e]
-        self.stacked = (gate_up, down)
+        stacked = []
+        for proj, part in itertools.product(("gate_up_proj", "down_proj"), ("weight", "bias")):
+            params = [getattr(getattr(m, proj), part) for m in self]
+            if params[0] is None:
+                stacked.append(None)
+                continue
+            with torch.no_grad():
+                whole = torch.stack(params)
+            for param, view in zip(params, whole):
+                param.data = view
+            stacked.append(whole)
+        self.stacked = Stacked(*stacked)
         return True
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -56,7 +71,8 @@ class Experts(nn.ModuleList):
         each on their rows (`grouped`), and the outputs are added to their tokens in that order: per token
         by increasing expert, as transformers sums them."""
         if self.stacked is not None:
-            return fused_moe.fused_moe(x, *self.stacked, weights, ids)
+            gate_up, gate_up_bias, down, down_bias = self.stacked
+            return fused_moe.fused_moe(x, gate_up, down, weights, ids, gate_up_bias, down_bias, self[0].act)
         order = ids.flatten().argsort(stable=True)          # stable: an expert's rows in token order
         counts = torch.bincount(ids.flatten(), minlength=len(self)).tolist()
         tokens = order // ids.shape[1]
@@ -70,7 +86,7 @@ class Experts(nn.ModuleList):
         projection of all of them in one kernel call (`_w4a8`)."""
         chosen = [self[e] for e, n in enumerate(counts) if n]
         sizes = [n for n in counts if n]
-        if self.expert is MLP and not torch.compiler.is_compiling() and all(
+        if not torch.compiler.is_compiling() and all(
                 isinstance(p, W4A8_LAYERS) for m in chosen for p in (m.gate_up_proj, m.down_proj)):
             return _w4a8(chosen, sizes, rows)
         ends = itertools.accumulate(sizes)
@@ -79,16 +95,15 @@ class Experts(nn.ModuleList):
 
 def _w4a8(chosen: list[MLP], sizes: list[int], rows: torch.Tensor) -> torch.Tensor:
     """The chosen experts' MLPs on their runs of rows, as each expert's own forward computes them: its
-    gate/up and down projections one cpu_w4a8.grouped call each (every expert's layer on its rows), and
-    MLP.forward's activation between them on all rows at once."""
+    gate/up and down projections (biases included) one cpu_w4a8.grouped call each (every expert's layer
+    on its rows), and the experts' activation between them on all rows at once."""
     first = chosen[0]
     gate_up = cpu_w4a8.grouped([m.gate_up_proj.c_layer() for m in chosen], sizes, rows,
                                first.gate_up_proj.out_features)
-    if cpu_elementwise.usable(gate_up):
+    if first.act is MLP.act and cpu_elementwise.usable(gate_up):
         act = cpu_elementwise.silu_mul(gate_up)
     else:
-        gate, up = gate_up.split(first.inter, dim=-1)
-        act = F.silu(gate) * up
+        act = first.act(*gate_up.split(first.inter, dim=-1))
     return cpu_w4a8.grouped([m.down_proj.c_layer() for m in chosen], sizes, act, first.down_proj.out_features)
 
 
