@@ -75,11 +75,18 @@ class ToolFormat:
 def json_end(text: str, pos: int) -> int:
     """Where the JSON object or array opening at text[pos] ends (just past its closing bracket), by its
     brackets outside strings; -1 while the text so far does not close it."""
+    return bracket_end(text, pos, _JSON_TOKENS)
+
+
+def bracket_end(text: str, pos: int, tokens: re.Pattern) -> int:
+    """Just past the bracket that closes the one at text[pos], counting the brackets among `tokens`
+    (a language's strings, which hide brackets, and its brackets); -1 while the text so far does not
+    close it."""
     depth = 0
-    for m in _JSON_TOKENS.finditer(text, pos):
-        if m.group() in "{[":
+    for m in tokens.finditer(text, pos):
+        if m.group() in "[({":
             depth += 1
-        elif m.group() in "}]":
+        elif m.group() in "])}":
             depth -= 1
             if depth == 0:
                 return m.end()

@@ -16,7 +16,7 @@ import json
 import re
 from typing import Optional
 
-from engine.server.tool_calls.format import Step, ToolFormat, tool_call
+from engine.server.tool_calls.format import Step, ToolFormat, bracket_end, tool_call
 
 PY_START, PY_END = "<|python_start|>", "<|python_end|>"
 LIST, AFTER = "list", "after"          # states: the list is next; the list is over, <|python_end|> may follow
@@ -27,19 +27,6 @@ OPENING = re.compile(r"\[\s*[A-Za-z_]\w*\(")
 MAYBE_OPENING = re.compile(r"\[\s*([A-Za-z_]\w*)?")
 # Python's strings (or one the text so far leaves open) and brackets: what the list's end is found by.
 TOKENS = re.compile(r"""'(?:[^'\\\n]|\\.)*(?:'|$)|"(?:[^"\\\n]|\\.)*(?:"|$)|[\[\](){}]""", re.DOTALL)
-
-
-def list_end(text: str, pos: int) -> int:
-    """Just past the bracket that closes the one at text[pos], -1 while the text so far does not."""
-    depth = 0
-    for m in TOKENS.finditer(text, pos):
-        if m.group() in "[({":
-            depth += 1
-        elif m.group() in "])}":
-            depth -= 1
-            if depth == 0:
-                return m.end()
-    return -1
 
 
 def parse_calls(source: str) -> Optional[list[dict]]:
@@ -89,7 +76,7 @@ class Pythonic(ToolFormat):
             if maybe.end() == len(text) and not final:
                 return None
             return "text", text[pos:start + 1], start + 1, None       # a bracket, not calls
-        end = list_end(text, start)
+        end = bracket_end(text, start, TOKENS)
         if end < 0:
             return ("text", text[pos:], len(text), None) if final else None
         calls = parse_calls(text[start:end])
