@@ -92,17 +92,22 @@ def _checked(name: str, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Ten
 class ExpertGroups:
     """An MXFP4 checkpoint's experts as gguf_quant.Groups, by the name of one expert's projection
     (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`; gate and up are the even and odd rows of the
-    stored gate_up_proj): read from that expert's blocks and scales alone when asked for, the rest None."""
+    stored gate_up_proj): read from that expert's blocks and scales alone when asked for, the rest None.
+    The last expert read is kept: its gate and up are asked for one after the other."""
 
     def __init__(self, files: Iterable[Path]):
         self._files = {name: reader for reader in map(SafetensorsFile, files) for name in reader.names()}
+        self._last: tuple[Optional[tuple[str, int]], tuple[torch.Tensor, ...]] = (None, ())
 
     def __call__(self, name: str) -> Optional[Groups]:
         found = _EXPERT.fullmatch(name)
         stacked = found and f"{found[1]}.{'down' if found[3] == 'down' else 'gate_up'}_proj"
         if not found or f"{stacked}_blocks" not in self._files:
             return None
-        blocks, scales = (self._files[stacked + part].get(stacked + part, int(found[2])) for part in _PARTS)
+        key = (stacked, int(found[2]))
+        if self._last[0] != key:
+            self._last = key, tuple(self._files[stacked + part].get(stacked + part, key[1]) for part in _PARTS)
+        blocks, scales = self._last[1]
         if found[3] != "down":
             rows = slice(found[3] == "up", None, 2)
             blocks, scales = blocks[rows], scales[rows]
